@@ -1,0 +1,72 @@
+"""Shared test set-up: vLLM in-process, float32, and engine helpers.
+
+The environment must be set before vLLM is imported anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@contextlib.contextmanager
+def engine(model: str, spec: dict | None = None, **kwargs):
+    """A real vLLM engine (float32, eager), torn down afterwards so several
+    can run in one process."""
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    opts = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+                disable_log_stats=False)
+    opts.update(kwargs)
+    llm = LLM(model=model, speculative_config=spec, **opts)
+    try:
+        yield llm
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int, **sp) -> list[list[int]]:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                            ignore_eos=True, **sp)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def spec_counters(llm) -> dict[str, float]:
+    """vLLM's own spec-decode counters, summed."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_"):
+            key = m.name.removeprefix("vllm:spec_decode_num_")
+            if hasattr(m, "value"):
+                out[key] = out.get(key, 0) + m.value
+            elif hasattr(m, "values"):
+                out[key] = [a + b for a, b in zip(out.get(key, [0] * len(m.values)), m.values)]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from vllm_specplug.models.tiny import tiny_model_path
+
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def ref_model() -> str:
+    from vllm_specplug.models.reference import reference_model_path
+
+    return reference_model_path()

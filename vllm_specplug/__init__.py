@@ -1,0 +1,3 @@
+"""vllm-specplug: tree-based speculative decoding methods for vLLM."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,310 @@
+"""Token adjacency table: the top-k successors the target predicted after
+each token (Token Recycling; Graft's retrieval matrix).
+
+One ``[vocab_size, k]`` int32 tensor lives on the engine's device and is
+shared by all requests: transitions seen in one request help the next. A row
+is overwritten whole whenever its token is verified again, so the table
+follows the current context. Rows never written hold -1 ("untouched") rather
+than Token Recycling's zeros, so an expansion can tell "no evidence" from
+"token 0" and drop those nodes instead of wasting verification slots.
+
+Memory: ``vocab_size * k * 4`` bytes, e.g. 1.5 MiB for a 49k vocab at k=8.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+UNTOUCHED = -1
+FILE_FORMAT = "specplug-adjacency"
+FILE_VERSION = "1"
+
+
+class AdjacencyTable:
+    """``table[v]`` = the target's top-k next tokens after token ``v``."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        k: int = 8,
+        device: torch.device | str = "cpu",
+        model_id: str = "",
+    ) -> None:
+        if vocab_size < 1 or k < 1:
+            raise ValueError(f"bad table shape [{vocab_size}, {k}]")
+        self.table = torch.full((vocab_size, k), UNTOUCHED, dtype=torch.int32, device=device)
+        self.model_id = model_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.numel() * self.table.element_size()
+
+    def num_filled(self) -> int:
+        """Rows written at least once (a host sync; for logs and tests)."""
+        return int((self.table[:, 0] != UNTOUCHED).sum())
+
+    def clone(self) -> AdjacencyTable:
+        new = AdjacencyTable.__new__(AdjacencyTable)
+        new.table = self.table.clone()
+        new.model_id = self.model_id
+        return new
+
+    def reset(self) -> None:
+        self.table.fill_(UNTOUCHED)
+
+    # ------------------------------------------------------------ update
+    def update(self, tokens: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """``table[tokens[i]] = topk_ids[i]``; the last occurrence of a token wins.
+
+        ``topk_ids`` columns must be sorted best first (``torch.topk``
+        order). Wider rows are cut to ``k``; narrower ones are padded with
+        -1. Tokens outside the vocabulary are ignored. Deterministic: equal
+        inputs give equal tables on every tensor-parallel rank.
+        """
+        tokens = tokens.reshape(-1).to(device=self.device, dtype=torch.long)
+        if tokens.numel() == 0:
+            return
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens.shape[0]:
+            raise ValueError(
+                f"topk_ids must be [{tokens.shape[0]}, k], got {tuple(topk_ids.shape)}"
+            )
+        topk_ids = topk_ids.to(device=self.device, dtype=torch.int32)
+        if topk_ids.shape[1] > self.k:
+            topk_ids = topk_ids[:, : self.k]
+        elif topk_ids.shape[1] < self.k:
+            pad = topk_ids.new_full((tokens.shape[0], self.k - topk_ids.shape[1]), UNTOUCHED)
+            topk_ids = torch.cat([topk_ids, pad], dim=1)
+        if self.table.is_cuda:
+            from triton_kernels.adjacency import adjacency_update_triton
+
+            adjacency_update_triton(self.table, tokens, topk_ids.contiguous())
+            return
+        # numpy, not torch: on CPU a handful of tiny torch ops cost more in
+        # dispatch than the whole update.
+        tok, rows, table = tokens.numpy(), topk_ids.numpy(), self.table.numpy()
+        valid = (tok >= 0) & (tok < self.vocab_size)
+        if not valid.all():
+            tok, rows = tok[valid], rows[valid]
+        # A fancy assignment with repeated indices has no guaranteed winner:
+        # keep each token's last occurrence explicitly (first in reverse).
+        _, first_rev = np.unique(tok[::-1], return_index=True)
+        win = len(tok) - 1 - first_rev
+        table[tok[win]] = rows[win]
+
+    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[n, k]`` successors of ``tokens`` (-1 rows for unknown tokens)."""
+        tokens = tokens.reshape(-1).to(device=self.device, dtype=torch.long)
+        ok = (tokens >= 0) & (tokens < self.vocab_size)
+        rows = self.table[tokens.clamp(0, self.vocab_size - 1)]
+        return torch.where(ok[:, None], rows, UNTOUCHED)
+
+    # ------------------------------------------------------------ files
+    def save(self, path: str, **extra: str | int) -> None:
+        """Write a safetensors file; the header carries vocab size, k, model id
+        and any ``extra`` strings (e.g. the corpus it was built from)."""
+        from safetensors.torch import save_file
+
+        meta = {
+            "format": FILE_FORMAT,
+            "version": FILE_VERSION,
+            "vocab_size": str(self.vocab_size),
+            "k": str(self.k),
+            "model_id": self.model_id,
+            **{key: str(v) for key, v in extra.items()},
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file({"table": self.table.detach().cpu().contiguous()}, tmp, metadata=meta)
+        os.replace(tmp, path)
+
+    @staticmethod
+    def read_header(path: str) -> dict[str, str]:
+        """The metadata of a saved table, without reading the table."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = dict(f.metadata() or {})
+        except FileNotFoundError:
+            raise ValueError(f"adjacency table {path}: no such file") from None
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(
+                f"adjacency table {path}: not a safetensors file ({type(e).__name__})"
+            ) from None
+        if meta.get("format") != FILE_FORMAT:
+            raise ValueError(f"adjacency table {path}: not a specplug adjacency table")
+        return meta
+
+    @classmethod
+    def load(
+        cls,
+        path: str,
+        vocab_size: int,
+        k: int | None = None,
+        device: torch.device | str = "cpu",
+        model_id: str | None = None,
+    ) -> AdjacencyTable:
+        """Load a table built for a model with ``vocab_size`` tokens.
+
+        A different vocab size means another tokenizer: that is an error. A
+        different model id only warns (fine-tunes share tokenizers). ``k``
+        cuts or pads (-1) the columns; None keeps the file's width.
+        """
+        from safetensors import safe_open
+
+        meta = cls.read_header(path)
+        file_vocab = int(meta["vocab_size"])
+        if file_vocab != vocab_size:
+            raise ValueError(
+                f"adjacency table {path} was built for a vocabulary of {file_vocab} "
+                f"tokens (model '{meta.get('model_id', '?')}'), but this model has "
+                f"{vocab_size}: rebuild it with `specplug adjacency build`"
+            )
+        if model_id and meta.get("model_id") and meta["model_id"] != model_id:
+            logger.warning(
+                "adjacency table %s was built with model '%s', not '%s'",
+                path, meta["model_id"], model_id,
+            )
+        with safe_open(path, framework="pt") as f:
+            data = f.get_tensor("table")
+        if tuple(data.shape) != (file_vocab, int(meta["k"])):
+            raise ValueError(f"adjacency table {path}: header and tensor shape disagree")
+        table = cls(vocab_size, k or data.shape[1], device, meta.get("model_id", ""))
+        width = min(table.k, data.shape[1])
+        table.table[:, :width] = data[:, :width].to(device=table.device, dtype=torch.int32)
+        return table
+
+
+# ---------------------------------------------------------------- corpus warm-up
+
+
+def iter_corpus_texts(path: str) -> Iterator[str]:
+    """Texts of a corpus file.
+
+    ``.jsonl``: one object per line with ``text``, ``prompt`` or ``turns``
+    (a list of strings, or of ``{"content"|"value": ...}`` messages, joined
+    by blank lines). Anything else is plain text, one document per
+    blank-line-separated paragraph.
+    """
+    if path.endswith(".jsonl"):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                text = _text_of(obj)
+                if text is None:
+                    raise ValueError(
+                        f"{path}:{lineno}: expected a 'text', 'prompt' or 'turns' key"
+                    )
+                if text:
+                    yield text
+        return
+    with open(path, encoding="utf-8") as f:
+        para: list[str] = []
+        for line in f:
+            if line.strip():
+                para.append(line)
+            elif para:
+                yield "".join(para)
+                para = []
+        if para:
+            yield "".join(para)
+
+
+def _text_of(obj: dict) -> str | None:
+    for key in ("text", "prompt"):
+        if isinstance(obj.get(key), str):
+            return obj[key]
+    turns = obj.get("turns")
+    if isinstance(turns, list):
+        parts = [t if isinstance(t, str) else t.get("content", t.get("value", "")) for t in turns]
+        return "\n\n".join(p for p in parts if p)
+    return None
+
+
+def build_from_corpus(
+    model_dir: str,
+    corpus_path: str,
+    k: int = 8,
+    max_tokens: int | None = None,
+    batch_size: int = 4,
+    seq_len: int = 256,
+    device: str = "cpu",
+    progress: bool = True,
+) -> AdjacencyTable:
+    """Run the target (HF transformers, float32) over a corpus and record its
+    top-k successors at every position, later text winning.
+
+    Documents are cut into ``seq_len`` windows and run ``batch_size`` at a
+    time; ``batch_size * seq_len * vocab`` float32 logits are the peak
+    memory. Stops after ``max_tokens`` tokens if given.
+    """
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.to(device).eval()
+    vocab = model.config.get_text_config().vocab_size
+    model_id = os.path.basename(os.path.normpath(model_dir))
+    table = AdjacencyTable(vocab, k, device, model_id=model_id)
+
+    windows: list[list[int]] = []
+    total = 0
+    for text in iter_corpus_texts(corpus_path):
+        ids = tokenizer(text)["input_ids"]
+        for start in range(0, len(ids), seq_len):
+            win = ids[start : start + seq_len]
+            if max_tokens is not None:
+                win = win[: max_tokens - total]
+            if len(win) >= 2:  # a lone token's successor is unknown context-free
+                windows.append(win)
+                total += len(win)
+            if max_tokens is not None and total >= max_tokens:
+                break
+        if max_tokens is not None and total >= max_tokens:
+            break
+    if not windows:
+        raise ValueError(f"{corpus_path}: no text to learn from")
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bar = tqdm(total=total, unit="tok", desc="adjacency", disable=not progress)
+    with torch.inference_mode():
+        for b in range(0, len(windows), batch_size):
+            chunk = windows[b : b + batch_size]
+            width = max(len(w) for w in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, w in enumerate(chunk):
+                ids[i, : len(w)] = torch.tensor(w)
+                mask[i, : len(w)] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            topk = logits.topk(k, dim=-1).indices
+            keep = mask.bool()
+            # Row-major flattening keeps corpus order, so later text wins.
+            table.update(ids[keep], topk[keep])
+            bar.update(int(keep.sum()))
+    bar.close()
+    return table

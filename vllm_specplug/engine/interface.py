@@ -1,0 +1,126 @@
+"""What a method sees every step, and what it gives back.
+
+This is the contract between the runner layer (the only code that touches
+vLLM internals, ``vllm_specplug/runner/``) and the methods. Everything here
+is plain numpy/torch, keyed by vLLM's request id, so a method never depends on
+how vLLM orders batch rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+from vllm_specplug.engine.tree import DraftTree
+
+if TYPE_CHECKING:
+    from vllm_specplug.config import MethodConfig
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method asks the runner to capture from the target forward pass.
+
+    Capturing costs time, so each method declares only what it uses.
+    """
+
+    hidden: bool = False
+    """Last-layer hidden states (input of the LM head) at verified positions."""
+    hidden_layer: int | None = None
+    """Also capture the output of this decoder layer (0-based) at verified
+    positions (PLD+/AdaPLD rerank with an intermediate layer)."""
+    topk: int = 0
+    """Top-k next-token ids/probabilities (raw logits, before sampling
+    processing) at verified decode positions."""
+    prefill_topk: bool = False
+    """Also compute top-k at every prompt position (costs an LM-head pass over
+    the prompt; the adjacency table learns from it)."""
+    tree_topk: bool = False
+    """Top-k at every verified tree node, accepted or rejected."""
+
+
+@dataclass
+class StepRequest:
+    """One request after a target step.
+
+    Rows of ``hidden``/``topk_*`` cover positions ``verified_pos ..
+    verified_pos + n_rows - 1``: the prompt chunk at prefill, or the root plus
+    the accepted path at a decode step. Row ``r`` is the target's output after
+    reading ``token_ids[verified_pos + r]``. Tensors are views valid only
+    during ``propose``: copy what you keep.
+    """
+
+    req_id: str
+    token_ids: np.ndarray
+    """Verified history: prompt + output, ending with the token just sampled."""
+    num_prompt_tokens: int
+    sampled: bool
+    """False for a prompt chunk that did not finish the prompt: no draft."""
+    verified_pos: int
+    hidden: torch.Tensor | None = None
+    layer_hidden: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_probs: torch.Tensor | None = None
+    node_tokens: torch.Tensor | None = None
+    """Input token of every verified tree row (root first), accepted or not."""
+    node_topk_ids: torch.Tensor | None = None
+    """``[len(node_tokens), k]`` target top-k after each of those rows."""
+    temperature: float = 0.0
+    """0 for greedy requests."""
+    chain_only: bool = False
+    """The request's sampling needs vLLM's chain verifier (penalties, bad
+    words, logits processors, structured output): return a chain or nothing."""
+
+    @property
+    def last_token(self) -> int:
+        return int(self.token_ids[-1])
+
+
+@dataclass
+class ProposerContext:
+    """Static facts about the engine a method may size itself by."""
+
+    vocab_size: int
+    hidden_size: int
+    num_speculative_tokens: int
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+    model_path: str
+    tokenizer_path: str
+    embed_tokens: torch.Tensor | None = None
+    """The target's input embedding matrix ``[vocab, hidden]`` (read-only)."""
+    num_hidden_layers: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Proposer:
+    """Base class of every specplug method.
+
+    Subclasses set ``name`` and ``config_cls`` and register themselves with
+    ``vllm_specplug.registry.register``.
+    """
+
+    name: ClassVar[str] = ""
+    config_cls: ClassVar[type[MethodConfig]]
+
+    def __init__(self, config: MethodConfig, ctx: ProposerContext) -> None:
+        self.config = config
+        self.ctx = ctx
+
+    def needs(self) -> Needs:
+        return Needs()
+
+    def add_request(self, req_id: str) -> None:
+        """A request arrived (or came back after preemption)."""
+
+    def remove_request(self, req_id: str) -> None:
+        """A request finished, was aborted or preempted: free its state."""
+
+    def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        """One draft tree (or None) per request, at most
+        ``ctx.num_speculative_tokens`` nodes each."""
+        raise NotImplementedError

@@ -1,0 +1,51 @@
+"""Counters of the tree engine, beside vLLM's own spec-decode counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TreeStats:
+    steps: int = 0
+    drafts: int = 0
+    tree_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    kv_moves: int = 0
+    accepted_depth_hist: dict[int, int] = field(default_factory=dict)
+    tree_size_hist: dict[int, int] = field(default_factory=dict)
+    collect_seconds: float = 0.0
+    propose_seconds: float = 0.0
+    propose_calls: int = 0
+
+    def _record(self, n_draft, accepted) -> None:
+        self.steps += 1
+        for n, a in zip(n_draft, accepted):
+            if n <= 0:
+                continue
+            self.drafts += 1
+            self.draft_tokens += n
+            self.accepted_tokens += a
+            self.accepted_depth_hist[a] = self.accepted_depth_hist.get(a, 0) + 1
+            self.tree_size_hist[n] = self.tree_size_hist.get(n, 0) + 1
+
+    def record_chains(self, n_draft, accepted_plus_bonus) -> None:
+        self._record(n_draft, [max(a - 1, 0) for a in accepted_plus_bonus])
+
+    def record_trees(self, n_draft, accepted, trees) -> None:
+        self.tree_drafts += len(trees)
+        self._record(n_draft, accepted)
+
+    def record_propose(self, collect: float, propose: float) -> None:
+        self.collect_seconds += collect
+        self.propose_seconds += propose
+        self.propose_calls += 1
+
+    def as_dict(self) -> dict:
+        d = self.__dict__.copy()
+        d["mean_tree_size"] = self.draft_tokens / self.drafts if self.drafts else 0.0
+        d["mean_accepted_length"] = (
+            1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+        )
+        return d

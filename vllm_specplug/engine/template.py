@@ -1,0 +1,287 @@
+"""Static draft-tree templates over successor ranks (Token Recycling / Graft).
+
+A template node says "take the ``rank``-th successor of my parent's token";
+expanding it from a root token through an :class:`AdjacencyTable` gives a
+draft tree. The shape is fixed per engine, so one expansion serves the whole
+batch: nodes of one level depend only on the level above, and each level is a
+single gather for all requests.
+
+Templates are deliberately unbalanced: top-ranked successors get more
+children and deeper chains, low ranks a few leaves for width. Nodes are
+stored best-first by a prior path score, which is strictly decreasing from
+parent to child, so the order is topological and every prefix (``cut``) is
+itself the best sub-template of that size -- which is how Graft picks a
+smaller retrieval branch once pruning has decided how many slots are free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm_specplug.engine.tree import DraftTree
+
+if TYPE_CHECKING:
+    from vllm_specplug.engine.adjacency import AdjacencyTable
+
+# Assumed chance that the rank-r successor is the right next token. Only used
+# to choose and order nodes; the shape matters far more than these values.
+# A dominant rank 0 lets the greedy chain outrank wide shallow leaves.
+RANK_PRIOR = (
+    0.6, 0.14, 0.07, 0.045, 0.03, 0.022, 0.017, 0.013,
+    0.011, 0.009, 0.008, 0.007, 0.006, 0.005, 0.0045, 0.004,
+)
+
+# Nodes per level. "default" is Graft's full retrieval envelope (Table 7:
+# 80 nodes, 9 levels); "tr" has Token Recycling's default level sizes; the
+# graft_d* presets are Graft's per-pruning-stage templates.
+PRESETS: dict[str, tuple[int, ...]] = {
+    "default": (8, 16, 14, 11, 8, 7, 6, 5, 5),
+    "tr": (8, 21, 25, 15, 8, 3),
+    "graft_d0": (8, 10, 8, 6, 5, 4, 4, 4, 3),
+    "graft_d1": (6, 7, 5, 4, 4, 3, 3, 2, 2),
+    "graft_d5": (4, 3, 3, 2, 2, 2, 2, 1, 1),
+}
+
+
+def parse_level_counts(spec: str) -> tuple[int, ...]:
+    """A preset name or comma-separated nodes per level, e.g. ``"8,4,2"``."""
+    spec = spec.strip()
+    if spec in PRESETS:
+        return PRESETS[spec]
+    try:
+        counts = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(
+            f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor "
+            "comma-separated nodes per level like '8,4,2'"
+        ) from None
+    if not counts or any(c < 1 for c in counts):
+        raise ValueError(f"'{spec}': every level needs at least one node")
+    return counts
+
+
+class TreeTemplate:
+    """Parent index + successor rank per node, in topological order."""
+
+    def __init__(self, parents: Sequence[int], ranks: Sequence[int]) -> None:
+        if len(parents) != len(ranks):
+            raise ValueError("parents and ranks differ in length")
+        self.parents = tuple(int(p) for p in parents)
+        self.ranks = tuple(int(r) for r in ranks)
+        depths: list[int] = []
+        seen: set[tuple[int, int]] = set()
+        for i, (p, r) in enumerate(zip(self.parents, self.ranks)):
+            if not -1 <= p < i:
+                raise ValueError(f"node {i} has parent {p}: not topological")
+            if r < 0 or (p, r) in seen:
+                raise ValueError(f"node {i}: rank {r} is negative or repeated")
+            seen.add((p, r))
+            depths.append(1 if p < 0 else depths[p] + 1)
+        self.depths = tuple(depths)
+        self._chain = self._find_greedy_chain()
+        self._host_levels = [
+            (nodes, np.array([self.parents[i] for i in nodes]), np.array([self.ranks[i] for i in nodes]))
+            for nodes in (
+                np.array([i for i, nd in enumerate(self.depths) if nd == d])
+                for d in range(1, self.depth + 1)
+            )
+        ]
+        self._device_cache: dict[torch.device, tuple] = {}
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def from_rank_paths(cls, paths: Sequence[Sequence[int]]) -> TreeTemplate:
+        """From rank paths like ``[0], [1], [0, 0]``; each path's prefix must
+        come earlier."""
+        index: dict[tuple[int, ...], int] = {}
+        parents, ranks = [], []
+        for path in paths:
+            path = tuple(path)
+            if not path or path in index:
+                raise ValueError(f"rank path {list(path)} is empty or repeated")
+            if len(path) > 1 and path[:-1] not in index:
+                raise ValueError(f"rank path {list(path)} comes before its parent")
+            index[path] = len(parents)
+            parents.append(index[path[:-1]] if len(path) > 1 else -1)
+            ranks.append(path[-1])
+        return cls(parents, ranks)
+
+    @classmethod
+    def from_level_counts(
+        cls,
+        counts: Sequence[int],
+        k: int = 8,
+        rank_prior: Sequence[float] = RANK_PRIOR,
+    ) -> TreeTemplate:
+        """Fill each level with the best-scoring children of the level above.
+
+        A node's score is the product of ``rank_prior`` along its rank path,
+        so high ranks collect the children and the depth. A level asking for
+        more nodes than its parents have ranks (``k``) is clipped.
+        """
+        if not 1 <= k <= len(rank_prior):
+            raise ValueError(f"k={k}: need 1 <= k <= {len(rank_prior)} rank priors")
+        if any(not 0.0 < p < 1.0 for p in rank_prior[:k]):
+            raise ValueError("rank priors must lie strictly between 0 and 1")
+        log_prior = [math.log(p) for p in rank_prior[:k]]
+        # (log score, rank path) of every chosen node, level by level.
+        chosen: list[tuple[float, tuple[int, ...]]] = []
+        frontier: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
+        for count in counts:
+            cands = [
+                (s + log_prior[r], path + (r,))
+                for s, path in frontier
+                for r in range(k)
+            ]
+            # Ties go to the earlier parent, then the lower rank: deterministic.
+            cands.sort(key=lambda c: -c[0])
+            frontier = cands[:count]
+            if not frontier:
+                break
+            chosen.extend(frontier)
+        # Best first. A child scores strictly below its parent, so this order
+        # is topological; ties are broken by depth to keep it that way.
+        chosen.sort(key=lambda c: (-c[0], len(c[1])))
+        return cls.from_rank_paths([path for _, path in chosen])
+
+    @classmethod
+    def from_spec(cls, spec: str, k: int = 8) -> TreeTemplate:
+        """From a preset name or level counts (see :func:`parse_level_counts`)."""
+        return cls.from_level_counts(parse_level_counts(spec), k)
+
+    # ------------------------------------------------------------ shape
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.ranks, default=-1)
+
+    def level_sizes(self) -> list[int]:
+        sizes = [0] * self.depth
+        for d in self.depths:
+            sizes[d - 1] += 1
+        return sizes
+
+    def rank_paths(self) -> list[tuple[int, ...]]:
+        paths: list[tuple[int, ...]] = []
+        for p, r in zip(self.parents, self.ranks):
+            paths.append((paths[p] if p >= 0 else ()) + (r,))
+        return paths
+
+    def cut(self, budget: int) -> TreeTemplate:
+        """The first ``budget`` nodes: a valid template (parents come first)."""
+        n = max(0, budget)
+        return TreeTemplate(self.parents[:n], self.ranks[:n])
+
+    def greedy_chain(self) -> list[int]:
+        """Indices of the all-rank-0 path, root's child first."""
+        return list(self._chain)
+
+    def _find_greedy_chain(self) -> tuple[int, ...]:
+        chain, want = [], -1
+        for i, (p, r) in enumerate(zip(self.parents, self.ranks)):
+            if p == want and r == 0:
+                chain.append(i)
+                want = i
+        return tuple(chain)
+
+    # ------------------------------------------------------------ expansion
+    def _on(self, device: torch.device) -> tuple:
+        """Per-device index tensors: flat ones for the Triton kernel, and per
+        level ``(nodes, parent nodes, ranks)`` for the torch fallback."""
+        cached = self._device_cache.get(device)
+        if cached is None:
+            levels = [
+                tuple(torch.from_numpy(a).to(device) for a in level)
+                for level in self._host_levels
+            ]
+            flat = (
+                torch.tensor(self.parents, dtype=torch.int32, device=device),
+                torch.tensor(self.ranks, dtype=torch.int32, device=device),
+            )
+            cached = self._device_cache[device] = (flat, levels)
+        return cached
+
+    def expand(self, table: AdjacencyTable | torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` draft tokens for ``B`` root tokens; -1 where the table
+        has no entry (an untouched row) or the parent is already -1."""
+        table = getattr(table, "table", table)
+        vocab, k = table.shape
+        if self.max_rank >= k:
+            raise ValueError(f"template uses rank {self.max_rank} but the table has k={k}")
+        roots = roots.to(device=table.device, dtype=torch.long).reshape(-1)
+        if table.device.type == "cpu":
+            return torch.from_numpy(self._expand_numpy(table.numpy(), roots.numpy()))
+        flat, levels = self._on(table.device)
+        if table.is_cuda and len(self):
+            from triton_kernels.adjacency import template_expand_triton
+
+            return template_expand_triton(table, roots, *flat, depth=self.depth)
+        # Other accelerators: the numpy loop in torch ops.
+        out = torch.full((roots.shape[0], len(self)), -1, dtype=torch.long, device=table.device)
+        for d, (nodes, parent_nodes, ranks) in enumerate(levels):
+            ptok = roots[:, None].expand(-1, len(nodes)) if d == 0 else out[:, parent_nodes]
+            ok = (ptok >= 0) & (ptok < vocab)
+            # Gather with a clamped index, then mask: -1 must stay -1, not
+            # wrap around to the last row.
+            child = table[ptok.clamp(0, vocab - 1), ranks].long()
+            out[:, nodes] = torch.where(ok, child, -1)
+        return out
+
+    def _expand_numpy(self, table: np.ndarray, roots: np.ndarray) -> np.ndarray:
+        """The same level loop in numpy: on CPU each torch op costs ~10x more
+        dispatch than the work, and there are ~5 ops per level."""
+        vocab = table.shape[0]
+        out = np.full((roots.shape[0], len(self)), -1, dtype=np.int64)
+        for d, (nodes, parent_nodes, ranks) in enumerate(self._host_levels):
+            ptok = roots[:, None] if d == 0 else out[:, parent_nodes]
+            ok = (ptok >= 0) & (ptok < vocab)
+            child = table[np.where(ok, ptok, 0), ranks]
+            out[:, nodes] = np.where(ok, child, -1)
+        return out
+
+    # ------------------------------------------------------------ to trees
+    def to_draft_tree(self, row: Sequence[int], max_nodes: int | None = None) -> DraftTree:
+        """One expanded row as a DraftTree of at most ``max_nodes`` nodes.
+
+        Nodes with no token (-1) are dropped with their subtrees, and so is a
+        node repeating a kept sibling's token (its subtree would repeat the
+        sibling's, as children depend only on the parent token). Dropping
+        keeps the order, so later template nodes fill the freed slots.
+        """
+        limit = len(self) if max_nodes is None else max_nodes
+        kept = [-1] * len(self)  # template node -> tree node, -1 = dropped
+        seen: set[tuple[int, int]] = set()
+        tokens: list[int] = []
+        parents: list[int] = []
+        for i, p in enumerate(self.parents):
+            if len(tokens) >= limit:
+                break
+            tok = int(row[i])
+            parent = kept[p] if p >= 0 else -1
+            if tok < 0 or (p >= 0 and parent < 0) or (parent, tok) in seen:
+                continue
+            seen.add((parent, tok))
+            kept[i] = len(tokens)
+            tokens.append(tok)
+            parents.append(parent)
+        return DraftTree(tokens, parents)
+
+    def chain_tokens(self, row: Sequence[int], max_len: int | None = None) -> list[int]:
+        """The greedy (all rank-0) path of an expanded row, up to the first gap."""
+        out: list[int] = []
+        for i in self._chain[:max_len]:
+            if int(row[i]) < 0:
+                break
+            out.append(int(row[i]))
+        return out

@@ -1,0 +1,1 @@
+"""Specplug methods: each a short composition of engine/ and sources/ pieces."""

@@ -1,0 +1,132 @@
+"""`oracle`: random trees around a known continuation (tests and benchmarks).
+
+Given the target's own greedy outputs in advance (``reference_file``: JSON
+list of token-id lists, prompt + output), it drafts a tree of a chosen size
+that contains the true continuation down to a random depth ``a``, wrong
+tokens below and beside it, laid out in a random topological order. Greedy
+verification must then accept exactly ``a`` tokens, which makes the tree
+engine testable without a real drafter, and gives trees of exact sizes for
+the verification-cost benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from pydantic import Field
+
+from vllm_specplug.config import MethodConfig
+from vllm_specplug.engine.interface import Proposer, StepRequest
+from vllm_specplug.engine.tree import DraftTree
+
+
+class OracleConfig(MethodConfig):
+    reference_file: str
+    """JSON file: a list of token-id lists (prompt + greedy output)."""
+    tree_size: int = Field(default=0, ge=0)
+    """Nodes per tree; 0 means num_speculative_tokens."""
+    max_depth: int = Field(default=6, ge=0)
+    """Largest number of true tokens placed in a tree."""
+    seed: int = 0
+    """Seed of the tree shapes (per request and position, so reproducible)."""
+    shuffle: bool = True
+    """Random topological order (exercises the KV move) instead of DFS."""
+
+
+class OracleProposer(Proposer):
+    name = "oracle"
+    config_cls = OracleConfig
+
+    def __init__(self, config, ctx) -> None:
+        super().__init__(config, ctx)
+        with open(config.reference_file) as f:
+            self.refs = [list(map(int, r)) for r in json.load(f)]
+        self.expected_accepted = 0
+        self.drafts = 0
+
+    def _continuation(self, tokens: list[int]) -> list[int] | None:
+        n = len(tokens)
+        for ref in self.refs:
+            if len(ref) > n and ref[:n] == tokens:
+                return ref[n:]
+        return None
+
+    def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        cfg: OracleConfig = self.config
+        out: list[DraftTree | None] = []
+        for req in batch:
+            truth = self._continuation(req.token_ids.tolist()) if req.sampled else None
+            if not truth:
+                out.append(None)
+                continue
+            size = min(cfg.tree_size or self.ctx.num_speculative_tokens,
+                       self.ctx.num_speculative_tokens)
+            rng = random.Random(hash((cfg.seed, req.req_id, len(req.token_ids))))
+            tree = _random_tree(rng, truth, size, cfg.max_depth, self.ctx.vocab_size,
+                                cfg.shuffle)
+            if req.chain_only:
+                tree = tree.first_path()
+            a = 0
+            children = tree.children()
+            cur = -1
+            while a < len(truth):
+                nxt = [c for c in children[cur + 1] if tree.tokens[c] == truth[a]]
+                if not nxt:
+                    break
+                cur, a = nxt[0], a + 1
+            self.expected_accepted += a
+            self.drafts += 1
+            out.append(tree)
+        return out
+
+    def stats(self) -> dict:
+        return {"expected_accepted": self.expected_accepted, "drafts": self.drafts}
+
+
+def _random_tree(rng, truth, size, max_depth, vocab, shuffle) -> DraftTree:
+    depth = rng.randint(0, min(max_depth, len(truth), size))
+    tokens: list[int] = []
+    parents: list[int] = []
+    for d in range(depth):  # the true path
+        tokens.append(truth[d])
+        parents.append(d - 1)
+    while len(tokens) < size:
+        p = rng.randint(-1, len(tokens) - 1)
+        d = 0 if p < 0 else _depth(parents, p)
+        tok = rng.randrange(vocab)
+        # A wrong token where the truth continues keeps the accepted depth
+        # exactly `depth`; sibling duplicates are avoided too.
+        on_path = p == d - 1 and d < len(truth)
+        if on_path and tok == truth[d]:
+            continue
+        if any(parents[i] == p and tokens[i] == tok for i in range(len(tokens))):
+            continue
+        tokens.append(tok)
+        parents.append(p)
+    tree = DraftTree(tokens, parents)
+    return _shuffled(rng, tree) if shuffle else tree
+
+
+def _depth(parents, i) -> int:
+    d = 1
+    while parents[i] >= 0:
+        i = parents[i]
+        d += 1
+    return d
+
+
+def _shuffled(rng, tree: DraftTree) -> DraftTree:
+    """A random topological order of the same tree."""
+    children = tree.children()
+    ready = list(children[0])
+    order: list[int] = []
+    while ready:
+        node = ready.pop(rng.randrange(len(ready)))
+        order.append(node)
+        ready.extend(children[node + 1])
+    index = {n: i for i, n in enumerate(order)}
+    return DraftTree(
+        [tree.tokens[n] for n in order],
+        [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order],
+    )

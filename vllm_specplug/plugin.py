@@ -1,0 +1,73 @@
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM calls ``register`` in every process it starts (front end, engine core,
+workers), possibly more than once. It only wraps
+``EngineArgs.create_engine_config``: when ``speculative_config["method"]``
+names a specplug method, the method's options are validated here (one-line
+errors at start-up) and the config handed to vLLM becomes a ``custom_class``
+speculative config, a specplug worker class, and the method's options in
+``additional_config`` (which travels, pickled, to every worker).
+"""
+
+from __future__ import annotations
+
+import json
+
+from vllm_specplug import registry
+from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
+
+_DRAFTER = "vllm_specplug.runner.runner.SpecplugDrafter"
+_WORKERS = {
+    "cpu": "vllm_specplug.runner.cpu_worker.SpecplugCPUWorker",
+    "cuda": "vllm_specplug.runner.gpu_worker.SpecplugGPUWorker",
+}
+
+
+def register() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.create_engine_config, "_specplug", False):
+        return
+    original = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        if isinstance(spec, str):
+            spec = json.loads(spec)
+        if not (isinstance(spec, dict) and registry.is_registered(spec.get("method"))):
+            return original(self, *args, **kwargs)
+        saved = (self.speculative_config, self.worker_cls, self.additional_config)
+        self.speculative_config, self.worker_cls, self.additional_config = rewrite(
+            spec, self.worker_cls, self.additional_config
+        )
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.speculative_config, self.worker_cls, self.additional_config = saved
+
+    create_engine_config._specplug = True
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def rewrite(spec: dict, worker_cls: str, additional: dict | None):
+    """A specplug speculative_config -> (what vLLM gets as speculative_config,
+    worker class, additional_config)."""
+    from vllm.platforms import current_platform
+
+    from vllm_specplug.config import split_speculative_config
+    from vllm_specplug.version import check_vllm_version
+
+    check_vllm_version()
+    method, config, vllm_keys = split_speculative_config(spec)
+    device = current_platform.device_type
+    if device not in _WORKERS:
+        raise ValueError(f"specplug method '{method}' does not support device '{device}'")
+    if worker_cls not in ("auto", _WORKERS[device]):
+        raise ValueError(
+            f"specplug method '{method}' needs its own worker; drop --worker-cls "
+            f"({worker_cls})"
+        )
+    additional = dict(additional or {})
+    additional[ADDITIONAL_CONFIG_KEY] = {"method": method, "options": config.to_dict()}
+    vllm_spec = {**vllm_keys, "method": "custom_class", "model": _DRAFTER}
+    return vllm_spec, _WORKERS[device], additional

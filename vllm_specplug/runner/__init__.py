@@ -1,0 +1,1 @@
+"""The runner layer: the only code that touches vLLM internals."""
