@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 _METHODS: dict[str, str] = {
     "pld": "vllm_specplug.methods.pld:PLDProposer",
     "oracle": "vllm_specplug.methods.oracle:OracleProposer",
+    "recycle": "vllm_specplug.methods.recycle:RecycleProposer",
 }
 
 

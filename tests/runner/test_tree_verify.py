@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from conftest import engine, greedy
+from tests.conftest import engine, greedy
 
 pytestmark = pytest.mark.engine
 

@@ -94,10 +94,15 @@ class AdjacencyTable:
         elif topk_ids.shape[1] < self.k:
             pad = topk_ids.new_full((tokens.shape[0], self.k - topk_ids.shape[1]), UNTOUCHED)
             topk_ids = torch.cat([topk_ids, pad], dim=1)
-        if self.table.is_cuda:
-            from triton_kernels.adjacency import adjacency_update_triton
+        if self.table.device.type != "cpu":
+            from triton_kernels import adjacency as kernels
 
-            adjacency_update_triton(self.table, tokens, topk_ids.contiguous())
+            # Other accelerators take the kernels' own torch reference.
+            if self.table.is_cuda:
+                update = kernels.adjacency_update_triton
+            else:
+                update = kernels.adjacency_update_ref
+            update(self.table, tokens, topk_ids.contiguous())
             return
         # numpy, not torch: on CPU a handful of tiny torch ops cost more in
         # dispatch than the whole update.

@@ -44,7 +44,8 @@ def _build(args: argparse.Namespace) -> int:
 
     from vllm_specplug.engine.adjacency import build_from_corpus
 
-    for flag, value in (("--k", args.k), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+    sizes = {"--k": args.k, "--batch-size": args.batch_size, "--seq-len": args.seq_len}
+    for flag, value in sizes.items():
         if value < 1:
             raise SystemExit(f"specplug adjacency build: {flag} must be >= 1")
     table = build_from_corpus(

@@ -10,8 +10,9 @@ Templates are deliberately unbalanced: top-ranked successors get more
 children and deeper chains, low ranks a few leaves for width. Nodes are
 stored best-first by a prior path score, which is strictly decreasing from
 parent to child, so the order is topological and every prefix (``cut``) is
-itself the best sub-template of that size -- which is how Graft picks a
-smaller retrieval branch once pruning has decided how many slots are free.
+a valid template, the best-scoring one of its size within this template --
+which is how Graft picks a smaller retrieval branch once pruning has decided
+how many slots are free.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ RANK_PRIOR = (
     0.011, 0.009, 0.008, 0.007, 0.006, 0.005, 0.0045, 0.004,
 )
 
-# Nodes per level. "default" is Graft's full retrieval envelope (Table 7:
-# 80 nodes, 9 levels); "tr" has Token Recycling's default level sizes; the
-# graft_d* presets are Graft's per-pruning-stage templates.
+# Nodes per level (which nodes fill a level is our own rule, see
+# from_level_counts). "default" has the level sizes of Graft's full retrieval
+# envelope (Table 7: 80 nodes, 9 levels), "tr" those of Token Recycling's
+# default tree (80 nodes, 6 levels), graft_d* those of Graft's per-pruning-
+# stage templates (52, 36 and 20 nodes).
 PRESETS: dict[str, tuple[int, ...]] = {
     "default": (8, 16, 14, 11, 8, 7, 6, 5, 5),
     "tr": (8, 21, 25, 15, 8, 3),
@@ -84,12 +87,11 @@ class TreeTemplate:
             depths.append(1 if p < 0 else depths[p] + 1)
         self.depths = tuple(depths)
         self._chain = self._find_greedy_chain()
+        # Per level: (its nodes, their parent nodes, their ranks).
+        par, rk, dep = (np.array(x, dtype=np.int64) for x in (self.parents, self.ranks, depths))
         self._host_levels = [
-            (nodes, np.array([self.parents[i] for i in nodes]), np.array([self.ranks[i] for i in nodes]))
-            for nodes in (
-                np.array([i for i, nd in enumerate(self.depths) if nd == d])
-                for d in range(1, self.depth + 1)
-            )
+            (nodes, par[nodes], rk[nodes])
+            for nodes in (np.flatnonzero(dep == d) for d in range(1, self.depth + 1))
         ]
         self._device_cache: dict[torch.device, tuple] = {}
 

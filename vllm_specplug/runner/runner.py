@@ -38,6 +38,7 @@ from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
+from vllm_specplug.engine.verify import choose_paths, draft_probs_tensor
 from vllm_specplug.runner.tree_attention import (
     CPU_KV_LAYOUTS,
     TreeAttentionWrapper,
@@ -48,6 +49,68 @@ from vllm_specplug.runner.tree_attention import (
 )
 
 logger = init_logger(__name__)
+
+
+def _expand_kernel_cpu(output, input_val, cu_num_tokens, replace_from,
+                       replace_to, MAX_NUM_TOKENS=None):
+    """Per-request value -> per-token value, as vLLM's Triton ``expand_kernel``.
+
+    vLLM 0.32's CPU stand-in casts ``output`` to int64 into a temporary and
+    never copies back, so the expanded temperatures (and top-k/top-p) are
+    garbage and every temperature > 0 verification on CPU samples from the
+    wrong distribution. This one writes in place.
+    """
+    cu = cu_num_tokens.long()
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from,
+                       torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(vals, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
+
+
+def apply_vllm_cpu_fixes() -> None:
+    """Replace vLLM 0.32 CPU kernels that break lossless sampling (see
+    ``_expand_kernel_cpu``). Idempotent."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    if not current_platform.is_cpu():
+        return
+    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": _expand_kernel_cpu})
+
+
+def path_chain_metadata(paths, drafts, row_base, device):
+    """vLLM chain metadata for the chosen paths.
+
+    Returns the metadata, the logits rows to gather (``[root, path...]`` per
+    request, the layout vLLM's rejection sampler expects of a chain) and the
+    path tokens.
+    """
+    gather: list[int] = []
+    tokens: list[list[int]] = []
+    for i, path in enumerate(paths):
+        b = int(row_base[i])
+        gather.append(b)
+        gather.extend(b + 1 + j for j in path)
+        tokens.append([drafts[i][j] for j in path])
+    lens = np.asarray([len(p) for p in paths], dtype=np.int64)
+    cu_s = np.cumsum(lens + 1)
+    starts = cu_s - (lens + 1)
+    target = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)])
+
+    def t(x):
+        return torch.as_tensor(np.asarray(x, dtype=np.int32), device=device)
+
+    meta = SpecDecodeMetadata(
+        draft_token_ids=t(sum(tokens, [])),
+        num_draft_tokens=lens.tolist(),
+        cu_num_draft_tokens=t(np.cumsum(lens)),
+        cu_num_sampled_tokens=t(cu_s),
+        target_logits_indices=t(target),
+        bonus_logits_indices=t(starts + lens),
+        logits_indices=t(np.arange(len(gather))),
+    )
+    return meta, torch.as_tensor(gather, device=device), tokens
 
 
 class SpecplugDrafter:
@@ -127,6 +190,7 @@ class SpecplugRunnerMixin:
             model.set_aux_hidden_state_layers((self._sp_needs.hidden_layer + 1,))
             self.use_aux_hidden_state_outputs = True
         self._sp_install_attention()
+        apply_vllm_cpu_fixes()
         logger.info("specplug: method '%s' ready (%s)", self._sp_method, config)
 
     def _sp_install_attention(self) -> None:
@@ -266,99 +330,37 @@ class SpecplugRunnerMixin:
     def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata):
         sm = self.input_batch.sampling_metadata
         n_draft = meta.num_draft_tokens
-        base = self._sp_logit_base
-        draft_ids = meta.draft_token_ids.tolist()
+        flat = meta.draft_token_ids.tolist()
         cu = np.concatenate([[0], np.cumsum(n_draft)])
-        greedy_rows = set(range(len(n_draft))) if sm.all_greedy else {
-            i for i, t in enumerate(self.input_batch.temperature_cpu[: len(n_draft)])
-            if t == 0.0
-        }
+        drafts = [flat[cu[i] : cu[i + 1]] for i in range(len(n_draft))]
+        temps = self.input_batch.temperature_cpu[: len(n_draft)]
+        greedy = {i for i, t in enumerate(temps) if sm.all_greedy or t == 0.0}
         probs = None
-        if any(i not in greedy_rows for i in self._sp_step_trees):
-            total = torch.tensor(np.cumsum(np.asarray(n_draft) + 1), device=logits.device)
-            probs = torch.softmax(
-                apply_sampling_constraints(logits.float().clone(), total, sm), dim=-1
+        if any(i not in greedy for i in self._sp_step_trees):
+            rows_per_req = torch.tensor(
+                np.cumsum(np.asarray(n_draft) + 1), device=logits.device
             )
-        argmax = logits.argmax(dim=-1).tolist()
-        vocab = logits.shape[-1]
-
-        paths: list[list[int]] = []
-        q_rows: list[tuple[int, torch.Tensor | int]] = []  # per path node
-        for i, n in enumerate(n_draft):
-            toks = draft_ids[cu[i] : cu[i + 1]]
-            tree = self._sp_step_trees.get(i)
-            if tree is None:  # chain: vLLM's own rule on the whole chain
-                paths.append(list(range(n)))
-                q_rows.extend(toks)
-                continue
-            children = tree.children()
-            path, cur = [], -1
-            gen = sm.generators.get(i)
-            while children[cur + 1]:
-                ch = children[cur + 1]
-                row = int(base[i]) + cur + 1
-                if i in greedy_rows:
-                    nxt = next((c for c in ch if toks[c] == argmax[row]), None)
-                    if nxt is None:
-                        break
-                    q_rows.append(toks[nxt])
-                else:
-                    ids = torch.tensor([toks[c] for c in ch], device=logits.device)
-                    pc = probs[row, ids]
-                    mass = float(pc.sum())
-                    if mass <= 0.0:
-                        break
-                    pick = int(torch.multinomial(pc / mass, 1, generator=gen))
-                    nxt = ch[pick]
-                    q = torch.zeros(vocab, device=logits.device)
-                    q[ids] = pc / mass
-                    q_rows.append(q)
-                path.append(nxt)
-                cur = nxt
-            paths.append(path)
-
-        # Chain view of the chosen paths: rows [root, path...] per request.
-        gather, path_tokens, lens = [], [], []
-        for i, path in enumerate(paths):
-            b = int(base[i])
-            gather.append(b)
-            gather.extend(b + 1 + j for j in path)
-            toks = draft_ids[cu[i] : cu[i + 1]]
-            path_tokens.append([toks[j] for j in path])
-            lens.append(len(path))
-        dev = logits.device
-        path_logits = logits[torch.tensor(gather, device=dev)]
-        lens_np = np.asarray(lens)
-        cu_d = np.cumsum(lens_np)
-        cu_s = np.cumsum(lens_np + 1)
-        starts = cu_s - (lens_np + 1)
-        target_idx = np.concatenate(
-            [s + np.arange(n) for s, n in zip(starts, lens_np)] or [np.zeros(0)]
-        ).astype(np.int32)
-        path_meta = SpecDecodeMetadata(
-            draft_token_ids=torch.tensor(sum(path_tokens, []), dtype=torch.int32, device=dev),
-            num_draft_tokens=lens,
-            cu_num_draft_tokens=torch.tensor(cu_d, dtype=torch.int32, device=dev),
-            cu_num_sampled_tokens=torch.tensor(cu_s, dtype=torch.int32, device=dev),
-            target_logits_indices=torch.tensor(target_idx, dtype=torch.int32, device=dev),
-            bonus_logits_indices=torch.tensor(starts + lens_np, dtype=torch.int32, device=dev),
-            logits_indices=torch.arange(len(gather), dtype=torch.int32, device=dev),
+            probs = torch.softmax(
+                apply_sampling_constraints(logits.float().clone(), rows_per_req, sm),
+                dim=-1,
+            )
+        chosen = choose_paths(
+            self._sp_step_trees, drafts, self._sp_logit_base, greedy,
+            logits.argmax(dim=-1).tolist(), probs, sm.generators,
+        )
+        path_meta, gather, path_tokens = path_chain_metadata(
+            chosen.paths, drafts, self._sp_logit_base, logits.device
         )
         draft_probs = None
-        if probs is not None and q_rows:
-            draft_probs = torch.zeros(len(q_rows), vocab, device=dev)
-            for r, q in enumerate(q_rows):
-                if isinstance(q, torch.Tensor):
-                    draft_probs[r] = q
-                else:
-                    draft_probs[r, q] = 1.0
+        if probs is not None:
+            draft_probs = draft_probs_tensor(chosen.q_rows, logits.shape[-1], logits.device)
         if sm.spec_token_ids is not None:
             sm = dataclasses.replace(sm, spec_token_ids=path_tokens)
-        out = self.rejection_sampler(path_meta, draft_probs, path_logits, sm)
+        out = self.rejection_sampler(path_meta, draft_probs, logits[gather], sm)
 
         accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
-        self._sp_move_kv(paths, accepted)
-        for i, path in enumerate(paths):
+        self._sp_move_kv(chosen.paths, accepted)
+        for i, path in enumerate(chosen.paths):
             self._sp_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
         self._sp_stats.record_trees(n_draft, accepted, self._sp_step_trees)
         return out
