@@ -16,7 +16,6 @@ _SUBCOMMANDS = {
     "methods": "vllm_specplug.methods.cli",
     "adjacency": "vllm_specplug.engine.adjacency_cli",
     "datastore": "vllm_specplug.datastore.cli",
-    "eagle3": "vllm_specplug.eagle3.cli",
 }
 
 

