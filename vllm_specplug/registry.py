@@ -17,6 +17,8 @@ _METHODS: dict[str, str] = {
     "pld": "vllm_specplug.methods.pld:PLDProposer",
     "oracle": "vllm_specplug.methods.oracle:OracleProposer",
     "recycle": "vllm_specplug.methods.recycle:RecycleProposer",
+    "adapld": "vllm_specplug.methods.adapld:AdaPLDProposer",
+    "dresd": "vllm_specplug.methods.dresd:DReSDProposer",
 }
 
 

@@ -95,7 +95,7 @@ class AdjacencyTable:
             pad = topk_ids.new_full((tokens.shape[0], self.k - topk_ids.shape[1]), UNTOUCHED)
             topk_ids = torch.cat([topk_ids, pad], dim=1)
         if self.table.device.type != "cpu":
-            from triton_kernels import adjacency as kernels
+            from vllm_specplug.kernels import adjacency as kernels
 
             # Other accelerators take the kernels' own torch reference.
             if self.table.is_cuda:

@@ -226,7 +226,7 @@ class TreeTemplate:
             return torch.from_numpy(self._expand_numpy(table.numpy(), roots.numpy()))
         flat, levels = self._on(table.device)
         if table.is_cuda and len(self):
-            from triton_kernels.adjacency import template_expand_triton
+            from vllm_specplug.kernels.adjacency import template_expand_triton
 
             return template_expand_triton(table, roots, *flat, depth=self.depth)
         # Other accelerators: the numpy loop in torch ops.

@@ -1,0 +1,68 @@
+"""`pld` on the reference model: lossless (chain and tree) and on par with
+vLLM's built-in `ngram` at the same settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import engine, greedy, spec_counters
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 48
+SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared/data/spec_bench/question.jsonl"
+
+
+def _prompts(model: str, n: int) -> list[list[int]]:
+    """Chat-formatted Spec-Bench summarization/RAG prompts (plenty to copy)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines()]
+    rows = [r for r in rows if r["category"] in ("summarization", "rag")]
+    out = []
+    for r in rows[: n * 3]:
+        text = tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}],
+                                       add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) < 900:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(ref_model):
+    prompts = _prompts(ref_model, 8)
+    with engine(ref_model, max_model_len=1024) as llm:
+        return prompts, greedy(llm, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_pld_lossless_batch_1_and_8(ref_model, baseline, branches):
+    prompts, ref = baseline
+    spec = {"method": "pld", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2, "tree_branches": branches}
+    with engine(ref_model, spec, max_model_len=1024) as llm:
+        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["accepted_tokens"] > 0
+    if branches > 1:
+        assert stats["tree_drafts"] > 0
+
+
+def test_pld_chain_matches_builtin_ngram(ref_model, baseline):
+    prompts, ref = baseline
+    shared = {"num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    mal = {}
+    for method in ("ngram", "pld"):
+        with engine(ref_model, {"method": method, **shared}, max_model_len=1024) as llm:
+            assert greedy(llm, prompts, MAX_TOKENS) == ref
+            c = spec_counters(llm)
+        mal[method] = 1 + c["accepted_tokens"] / c["drafts"]
+    assert abs(mal["pld"] - mal["ngram"]) <= 0.05 * mal["ngram"], mal

@@ -1,0 +1,53 @@
+"""Triton kernels for speculative decoding on vLLM's paged KV cache.
+
+Modules (each exposes ``<name>_triton`` = the Triton launch and ``<name>_ref``
+= a pure-torch reference that doubles as the CPU fallback, plus a small
+dispatcher that picks one of the two):
+
+* ``tree_attention`` - tree-masked paged attention for draft-tree verification.
+* ``kv_move``        - compact the accepted path's K/V into consecutive slots.
+* ``adjacency``      - token adjacency table update / static tree expansion.
+
+The submodules are deliberately not imported here: ``@triton.jit`` decides at
+decoration (= import) time whether a kernel is compiled for a GPU or run by
+the CPU interpreter (``TRITON_INTERPRET=1``), so importing this package must
+not freeze that choice as a side effect.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["interpret_mode", "kernel_is_interpreted", "use_triton"]
+
+
+def interpret_mode() -> bool:
+    """Whether kernels decorated *from now on* run in Triton's CPU interpreter."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_is_interpreted(kernel) -> bool:
+    """Whether an already-decorated ``@triton.jit`` kernel is an interpreter one.
+
+    This, not the current environment, is what decides if a launch can take CPU
+    tensors: the env var may have changed after the module was imported.
+    """
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def use_triton(kernel, *tensors: torch.Tensor) -> bool:
+    """True if ``kernel`` can be launched on ``tensors``.
+
+    Interpreted kernels run anywhere; compiled ones need every tensor on a GPU
+    (vLLM's CPU build has no Triton backend, so CPU tensors take the torch path).
+    """
+    if kernel_is_interpreted(kernel):
+        return True
+    return all(t.is_cuda for t in tensors)

@@ -1,0 +1,165 @@
+"""Move the accepted draft path's K/V into the slots of consecutive positions.
+
+After tree verification the accepted tokens sit at scattered tree slots; the
+next step expects them at positions ctx_len, ctx_len+1, ...  This copies
+``slot src_slots[i] -> slot dst_slots[i]`` for K and V.
+
+Layouts
+-------
+k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]   one layer, or
+                  [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+                  stacked (one launch pair moves every layer); any strides, so the
+                  halves of vLLM's ``[2, num_blocks, ...]`` per-layer tensor work.
+                  A list/tuple of per-layer caches is also accepted (one launch
+                  pair per layer).  ``v_cache`` may be None (single-cache layouts).
+src_slots, dst_slots  [n] int64, slot = block_id * block_size + offset.
+
+Guarantee
+---------
+The result is as if ALL sources were read before ANY destination is written:
+``new[dst[i]] = old[src[i]]`` for every i, whatever the overlap between the two
+slot sets (shifts up or down, chains, swaps, cycles).  Entries with
+``src == dst`` or a negative slot are skipped, so fixed-size (CUDA-graph)
+buffers can be padded with -1.  Destinations must be distinct; sources may repeat.
+
+Why two launches
+----------------
+Programs of one launch run in no defined order, so a single kernel could read
+a source slot after another program overwrote it.  The first launch gathers
+the sources into a scratch buffer, the second scatters it: the launch boundary
+is the global barrier.  n is the number of accepted tokens (tens), so the
+scratch round trip costs far less than the second launch itself.  K and V are
+separate tensors and get a launch pair each; stack layers into one 5-D tensor
+to move a whole model in 4 launches.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from . import use_triton
+
+Cache = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+@triton.jit
+def _slot_row(slot, layer, BLOCK_SIZE, stride_l, stride_b, stride_t):
+    """Element offset of (layer, slot) in a cache with the given strides."""
+    return layer * stride_l + (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_t
+
+
+@triton.jit
+def _kv_gather_kernel(
+    cache_ptr, scratch_ptr, src_ptr, dst_ptr,
+    n, BLOCK_SIZE, num_feat,
+    stride_l, stride_b, stride_t, stride_h, stride_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """scratch[layer, i, f] = cache[layer, src[i], f] for non-skipped entries."""
+    i = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    if (src == dst) | (src < 0) | (dst < 0):
+        return
+    mask = offs_f < num_feat
+    feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
+    row = _slot_row(src, layer, BLOCK_SIZE, stride_l, stride_b, stride_t)
+    vals = tl.load(cache_ptr + row + feat, mask=mask)
+    tl.store(scratch_ptr + (layer * n + i) * num_feat + offs_f, vals, mask=mask)
+
+
+@triton.jit
+def _kv_scatter_kernel(
+    cache_ptr, scratch_ptr, src_ptr, dst_ptr,
+    n, BLOCK_SIZE, num_feat,
+    stride_l, stride_b, stride_t, stride_h, stride_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """cache[layer, dst[i], f] = scratch[layer, i, f] for non-skipped entries."""
+    i = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    if (src == dst) | (src < 0) | (dst < 0):
+        return
+    mask = offs_f < num_feat
+    feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
+    row = _slot_row(dst, layer, BLOCK_SIZE, stride_l, stride_b, stride_t)
+    vals = tl.load(scratch_ptr + (layer * n + i) * num_feat + offs_f, mask=mask)
+    tl.store(cache_ptr + row + feat, vals, mask=mask)
+
+
+def _as_layers(cache: torch.Tensor) -> torch.Tensor:
+    if cache.dim() == 4:
+        return cache.unsqueeze(0)  # a view: writes still land in the caller's tensor
+    if cache.dim() == 5:
+        return cache
+    raise ValueError(f"expected a 4-D or 5-D cache, got shape {tuple(cache.shape)}")
+
+
+def _move_one(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    cache5 = _as_layers(cache)
+    num_layers, _, block_size, num_heads, head_dim = cache5.shape
+    n = src.shape[0]
+    num_feat = num_heads * head_dim
+    block_f = min(triton.next_power_of_2(num_feat), 1024)
+    scratch = torch.empty((num_layers, n, num_feat), dtype=cache.dtype, device=cache.device)
+    grid = (n, num_layers, triton.cdiv(num_feat, block_f))
+    args = (cache5, scratch, src, dst, n, block_size, num_feat, *cache5.stride())
+    _kv_gather_kernel[grid](*args, HEAD_DIM=head_dim, BLOCK_F=block_f)
+    _kv_scatter_kernel[grid](*args, HEAD_DIM=head_dim, BLOCK_F=block_f)
+
+
+def _check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
+        raise ValueError("src_slots and dst_slots must be 1-D and of equal length")
+
+
+def kv_move_triton(
+    k_cache: Cache, v_cache: Optional[Cache], src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """In-place ``cache[dst_slots[i]] = cache[src_slots[i]]`` for K and V (see module doc)."""
+    _check_slots(src_slots, dst_slots)
+    if src_slots.numel() == 0:
+        return
+    caches = list(k_cache) if isinstance(k_cache, (list, tuple)) else [k_cache]
+    if v_cache is not None:
+        caches += list(v_cache) if isinstance(v_cache, (list, tuple)) else [v_cache]
+    for cache in caches:
+        _move_one(cache, src_slots, dst_slots)
+
+
+def kv_move_ref(
+    k_cache: Cache, v_cache: Optional[Cache], src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """Torch version of :func:`kv_move_triton` (advanced indexing gathers a copy first)."""
+    _check_slots(src_slots, dst_slots)
+    keep = (src_slots != dst_slots) & (src_slots >= 0) & (dst_slots >= 0)
+    src, dst = src_slots[keep], dst_slots[keep]
+    caches = list(k_cache) if isinstance(k_cache, (list, tuple)) else [k_cache]
+    if v_cache is not None:
+        caches += list(v_cache) if isinstance(v_cache, (list, tuple)) else [v_cache]
+    for cache in caches:
+        cache5 = _as_layers(cache)
+        bs = cache5.shape[2]
+        cache5[:, dst // bs, dst % bs] = cache5[:, src // bs, src % bs]
+
+
+def kv_move(
+    k_cache: Cache, v_cache: Optional[Cache], src_slots: torch.Tensor, dst_slots: torch.Tensor
+) -> None:
+    """Triton kernel when it can run on the inputs, torch reference otherwise."""
+    first = k_cache[0] if isinstance(k_cache, (list, tuple)) else k_cache
+    if use_triton(_kv_gather_kernel, first, src_slots):
+        kv_move_triton(k_cache, v_cache, src_slots, dst_slots)
+    else:
+        kv_move_ref(k_cache, v_cache, src_slots, dst_slots)

@@ -1,0 +1,117 @@
+"""`specplug datastore ...`: build and inspect retrieval datastores.
+
+    specplug datastore build-dense --model DIR --corpus FILE --out DIR
+    specplug datastore info DIR
+
+Heavy imports (torch, transformers, ScaNN) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "datastore", help="build and inspect retrieval datastores (DReSD)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="datastore_command", metavar="SUBCOMMAND")
+
+    b = sub.add_parser(
+        "build-dense",
+        help="run the target over a corpus and build a DReSD dense datastore",
+        description=(
+            "Keys: the target's last hidden state (LM-head input) at every corpus "
+            "position, z-scored, PCA-reduced and L2-normalised; values: the next N "
+            "tokens. Index: ScaNN (brute force below 20k keys, AH + reorder below "
+            "100k, tree + AH + reorder above). See vllm_specplug.datastore.dense."))
+    b.add_argument("--model", required=True, help="target model folder (Hugging Face format)")
+    b.add_argument("--corpus", help=".txt (one doc per line, or --txt-docs file) or .jsonl "
+                                    "with a text/prompt/turns/response field")
+    b.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    b.add_argument("--n-next", type=int, default=20, help="tokens per value (default 20)")
+    b.add_argument("--dims", type=int, default=64, help="PCA dimensions (default 64)")
+    b.add_argument("--max-sample", type=int, default=1_000_000,
+                   help="keys sampled to fit z-score + PCA (default 1,000,000)")
+    b.add_argument("--chunk-tokens", type=int, default=4096,
+                   help="tokens per target forward pass; longer documents are windowed "
+                        "with a KV cache (default 4096)")
+    b.add_argument("--max-doc-tokens", type=int, default=1024,
+                   help="truncate each document to this many tokens (default 1024, as the paper)")
+    b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the target runs in (keys are stored as float32)")
+    b.add_argument("--in-distribution", metavar="PROMPTS_FILE",
+                   help="also generate the target's greedy responses to these prompts "
+                        "(.txt one per line or .jsonl prompt/turns/text) and store "
+                        "prompt + response")
+    b.add_argument("--max-new-tokens", type=int, default=128,
+                   help="response length cap for --in-distribution (default 128)")
+    b.add_argument("--gen-batch-size", type=int, default=8)
+    b.add_argument("--txt-docs", choices=["line", "file"], default="line",
+                   help="a .txt corpus is one document per line (default) or one document")
+    b.add_argument("--index", choices=["auto", "brute_force", "ah", "tree_ah"], default="auto")
+    b.add_argument("--reorder", type=int, default=256,
+                   help="ScaNN exact-reordering candidates (AH indexes)")
+    b.add_argument("--keep-raw-keys", action="store_true",
+                   help="also keep the full-size hidden states (raw_keys.npy, n x H float32)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads for the target (default: torch's)")
+    b.add_argument("--overwrite", action="store_true")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=_build_dense)
+
+    i = sub.add_parser("info", help="verify a dense datastore and print its manifest summary")
+    i.add_argument("path")
+    i.add_argument("--no-checksums", action="store_true", help="check sizes only")
+    i.set_defaults(func=_info)
+
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _build_dense(args) -> int:
+    from vllm_specplug.datastore.dense import DatastoreError, build_dense_datastore
+
+    if not args.corpus and not args.in_distribution:
+        print("specplug datastore build-dense: give --corpus and/or --in-distribution",
+              file=sys.stderr)
+        return 2
+    try:
+        m = build_dense_datastore(
+            args.model, args.out, corpus=args.corpus, n_next=args.n_next, dims=args.dims,
+            max_sample=args.max_sample, chunk_tokens=args.chunk_tokens,
+            max_doc_tokens=args.max_doc_tokens, dtype=args.dtype,
+            in_distribution=args.in_distribution, max_new_tokens=args.max_new_tokens,
+            gen_batch_size=args.gen_batch_size, txt_docs=args.txt_docs, index=args.index,
+            reorder=args.reorder, keep_raw_keys=args.keep_raw_keys, seed=args.seed,
+            overwrite=args.overwrite, progress=not args.no_progress,
+            num_threads=args.threads)
+    except DatastoreError as e:
+        print(f"specplug datastore build-dense: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(_summary(m), indent=2))
+    return 0
+
+
+def _summary(m: dict) -> dict:
+    return {
+        "model": m["model"]["id"], "hidden_size": m["hidden_size"],
+        "vocab_size": m["vocab_size"], "dims": m["dims"], "n_next": m["n_next"],
+        "counts": m["counts"], "index": m["index"], "build_seconds": m["build_seconds"],
+        "total_bytes": m["total_bytes"],
+        "pca_explained_variance_ratio": m["transform"]["pca_explained_variance_ratio"],
+    }
+
+
+def _info(args) -> int:
+    from vllm_specplug.datastore.dense import DatastoreError, DenseDatastore
+
+    try:
+        ds = DenseDatastore.open(args.path, verify_checksums=not args.no_checksums)
+    except DatastoreError as e:
+        print(f"specplug datastore info: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(_summary(ds.manifest), indent=2))
+    return 0
