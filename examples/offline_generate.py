@@ -47,6 +47,9 @@ def run(model: str, spec: dict | None, prompts, max_tokens: int, dtype: str):
         drafts = c.get("vllm:spec_decode_num_drafts") or 0
         acc = c.get("vllm:spec_decode_num_accepted_tokens") or 0
         mal = 1 + acc / drafts if drafts else 1.0
+    # Shut down now: left to GC, a dead in-process engine tears down the
+    # next engine's distributed state.
+    llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()

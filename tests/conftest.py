@@ -30,9 +30,28 @@ def engine(model: str, spec: dict | None = None, **kwargs):
     try:
         yield llm
     finally:
+        shutdown(llm)
         del llm
         gc.collect()
         cleanup_dist_env_and_memory()
+
+
+def shutdown(llm) -> None:
+    """Shut an in-process engine down now. Left to its GC finalizer, a dead
+    engine's shutdown tears down the *next* engine's distributed groups
+    ("pipeline model parallel group is not initialized")."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
+def run_isolated(func, *args):
+    """``func(*args)`` in a fresh spawned process. vLLM 0.32's built-in
+    ``ngram`` cannot start after another engine in the same process."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(func, args)
 
 
 def greedy(llm, prompts: list[list[int]], max_tokens: int, **sp) -> list[list[int]]:

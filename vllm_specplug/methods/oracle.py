@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
+from typing import Literal
 
 from pydantic import Field
 
 from vllm_specplug.config import MethodConfig
 from vllm_specplug.engine.interface import Proposer, StepRequest
-from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.engine.tree import DraftTree, TrieBuilder
 
 
 class OracleConfig(MethodConfig):
@@ -32,6 +34,11 @@ class OracleConfig(MethodConfig):
     """Seed of the tree shapes (per request and position, so reproducible)."""
     shuffle: bool = True
     """Random topological order (exercises the KV move) instead of DFS."""
+    mode: Literal["random", "trie"] = "random"
+    """``random``: one true path to a random depth among wrong tokens.
+    ``trie``: every reference continuing the context, merged most frequent
+    first (with sampled references this gives realistic sibling sets, for
+    distribution tests)."""
 
 
 class OracleProposer(Proposer):
@@ -52,10 +59,25 @@ class OracleProposer(Proposer):
                 return ref[n:]
         return None
 
+    def _trie(self, tokens: list[int], size: int) -> DraftTree | None:
+        n, depth = len(tokens), self.config.max_depth
+        conts = Counter(tuple(r[n : n + depth]) for r in self.refs
+                        if len(r) > n and r[:n] == tokens)
+        if not conts:
+            return None
+        trie = TrieBuilder(size)
+        for cont, _ in conts.most_common():
+            trie.insert(cont)
+        return trie.build()
+
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         cfg: OracleConfig = self.config
         out: list[DraftTree | None] = []
         for req in batch:
+            if cfg.mode == "trie":
+                tree = self._trie(req.token_ids.tolist(), self.ctx.num_speculative_tokens)
+                out.append(tree if req.sampled else None)
+                continue
             truth = self._continuation(req.token_ids.tolist()) if req.sampled else None
             if not truth:
                 out.append(None)

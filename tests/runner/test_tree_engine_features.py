@@ -1,0 +1,103 @@
+"""Tree verification under the engine features a server uses: prefix
+caching, chunked prefill, preemption; and the sampling distribution
+end to end."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from tests.conftest import engine, greedy
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in
+               [300, 250, 40, 129, 7, 33, 200, 95] * 3]
+    with engine(tiny_model) as llm:
+        outs = greedy(llm, prompts, MAX_TOKENS)
+    path = tmp_path_factory.mktemp("oracle") / "ref.json"
+    path.write_text(json.dumps([p + o for p, o in zip(prompts, outs)]))
+    return prompts, outs, str(path)
+
+
+def _spec(ref_file: str) -> dict:
+    return {"method": "oracle", "num_speculative_tokens": 10,
+            "reference_file": ref_file, "max_depth": 5}
+
+
+def test_prefix_caching_and_chunked_prefill(tiny_model, reference):
+    prompts, outs, ref_file = reference
+    with engine(tiny_model, _spec(ref_file), enable_prefix_caching=True,
+                enable_chunked_prefill=True, max_num_batched_tokens=128) as llm:
+        assert greedy(llm, prompts, MAX_TOKENS) == outs
+        # Second pass: the prompts' blocks come from the prefix cache.
+        assert greedy(llm, prompts, MAX_TOKENS) == outs
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
+    assert stats["kv_moves"] > 0
+
+
+def test_preemption(tiny_model, reference):
+    prompts, outs, ref_file = reference
+    # 12 blocks of KV for 24 requests of up to 340 tokens: the scheduler
+    # has to preempt and recompute.
+    with engine(tiny_model, _spec(ref_file),
+                num_gpu_blocks_override=12) as llm:
+        got = greedy(llm, prompts, MAX_TOKENS)
+        preempted = sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                        if m.name == "vllm:num_preemptions")
+    assert preempted > 0
+    assert got == outs
+
+
+def _sample(llm, prompt, n, seed0, max_tokens=3):
+    from vllm import SamplingParams, TokensPrompt
+
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed0 + i,
+                             ignore_eos=True) for i in range(n)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params,
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _homogeneous(a: list[int], b: list[int]) -> float:
+    """Chi-square p-value that a and b come from one distribution (rare
+    tokens pooled)."""
+    ca, cb = Counter(a), Counter(b)
+    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
+    rest = [sum(c[k] for k in c if k not in keys) for c in (ca, cb)]
+    table = np.array([[ca[k] for k in keys] + [rest[0]], [cb[k] for k in keys] + [rest[1]]])
+    table = table[:, table.sum(0) > 0]
+    return chi2_contingency(table).pvalue
+
+
+def test_sampling_keeps_target_distribution(tiny_model, tmp_path):
+    """Temperature 1 on the tiny model: with trees built from earlier samples
+    (realistic sibling sets), the tokens verified through the trees follow
+    the same distribution as plain sampling."""
+    prompt, n = [11, 42, 7, 99, 3], 1200
+    with engine(tiny_model) as llm:
+        seen = _sample(llm, prompt, n, 0)
+        plain = _sample(llm, prompt, n, 10_000)
+    ref = tmp_path / "samples.json"
+    ref.write_text(json.dumps([prompt + s for s in seen]))
+    spec = {"method": "oracle", "num_speculative_tokens": 8, "reference_file": str(ref),
+            "mode": "trie", "max_depth": 2}
+    with engine(tiny_model, spec) as llm:
+        tree = _sample(llm, prompt, n, 20_000)
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
+    for pos in (1, 2):
+        p = _homogeneous([s[pos] for s in plain], [s[pos] for s in tree])
+        assert p > 1e-3, (pos, p)
