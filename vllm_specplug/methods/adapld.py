@@ -798,6 +798,8 @@ class AdaPLDProposer(Proposer):
         misses = attempts - c["lexical_hits"]
         return {
             **c,
+            "live_memories": len(self.memories),
+            "memory_bytes": self.memories.nbytes,
             "lexical_hit_rate": _rate(c["lexical_hits"], attempts),
             "semantic_hit_rate": _rate(c["semantic_hits"], attempts),
             "no_hit_rate": _rate(c["no_hits"], attempts),

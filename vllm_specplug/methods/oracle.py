@@ -24,8 +24,9 @@ from vllm_specplug.engine.tree import DraftTree, TrieBuilder
 
 
 class OracleConfig(MethodConfig):
-    reference_file: str
-    """JSON file: a list of token-id lists (prompt + greedy output)."""
+    reference_file: str | None = None
+    """JSON file: a list of token-id lists (prompt + greedy output). Not
+    needed in ``noise`` mode."""
     tree_size: int = Field(default=0, ge=0)
     """Nodes per tree; 0 means num_speculative_tokens."""
     max_depth: int = Field(default=6, ge=0)
@@ -34,11 +35,12 @@ class OracleConfig(MethodConfig):
     """Seed of the tree shapes (per request and position, so reproducible)."""
     shuffle: bool = True
     """Random topological order (exercises the KV move) instead of DFS."""
-    mode: Literal["random", "trie"] = "random"
+    mode: Literal["random", "trie", "noise"] = "random"
     """``random``: one true path to a random depth among wrong tokens.
     ``trie``: every reference continuing the context, merged most frequent
     first (with sampled references this gives realistic sibling sets, for
-    distribution tests)."""
+    distribution tests). ``noise``: random tokens in a random tree of exactly
+    ``tree_size`` nodes, whatever the context (cost of verification)."""
 
 
 class OracleProposer(Proposer):
@@ -47,8 +49,12 @@ class OracleProposer(Proposer):
 
     def __init__(self, config, ctx) -> None:
         super().__init__(config, ctx)
-        with open(config.reference_file) as f:
-            self.refs = [list(map(int, r)) for r in json.load(f)]
+        self.refs = []
+        if config.reference_file:
+            with open(config.reference_file) as f:
+                self.refs = [list(map(int, r)) for r in json.load(f)]
+        elif config.mode != "noise":
+            raise ValueError("oracle: reference_file is required unless mode='noise'")
         self.expected_accepted = 0
         self.drafts = 0
 
@@ -74,6 +80,13 @@ class OracleProposer(Proposer):
         cfg: OracleConfig = self.config
         out: list[DraftTree | None] = []
         for req in batch:
+            if cfg.mode == "noise":
+                size = min(cfg.tree_size or self.ctx.num_speculative_tokens,
+                           self.ctx.num_speculative_tokens)
+                rng = random.Random(hash((cfg.seed, req.req_id, len(req.token_ids))))
+                out.append(_random_tree(rng, [], size, 0, self.ctx.vocab_size, True)
+                           if req.sampled else None)
+                continue
             if cfg.mode == "trie":
                 tree = self._trie(req.token_ids.tolist(), self.ctx.num_speculative_tokens)
                 out.append(tree if req.sampled else None)

@@ -131,6 +131,22 @@ class SpecplugDrafter:
         raise RuntimeError("specplug drafts through its runner; this is a bug")
 
 
+def _input_embeddings(model, vocab_size: int) -> torch.Tensor | None:
+    """The target's input embedding matrix ``[vocab, hidden]`` (read-only).
+    Under tensor parallelism vLLM shards it by vocabulary; methods that use
+    it then see only this rank's rows (documented limitation)."""
+    layer = None
+    if hasattr(model, "get_input_embeddings"):
+        try:
+            layer = model.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            layer = None
+    if layer is None:
+        layer = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(layer, "weight", None)
+    return None if weight is None else weight[:vocab_size].detach()
+
+
 def _chain_only(sp) -> bool:
     """Sampling that vLLM's chain verifier handles with per-path context
     (penalties, bad words, logits processors, structured output...)."""
@@ -167,9 +183,7 @@ class SpecplugRunnerMixin:
         model = self.get_model()
         cls = registry.get(self._sp_method)
         config = cls.config_cls(**self._sp_options)
-        embed = None
-        if hasattr(model, "get_input_embeddings"):
-            embed = getattr(model.get_input_embeddings(), "weight", None)
+        embed = _input_embeddings(model, self.model_config.get_vocab_size())
         ctx = ProposerContext(
             vocab_size=self.model_config.get_vocab_size(),
             hidden_size=self.model_config.get_hidden_size(),

@@ -1,0 +1,114 @@
+"""Cost of one verification step vs draft-tree size (issue 3).
+
+    python -m benchmarks.verify_cost [--sizes 0,1,2,4,8,16,32,64] [--batch 1,8,32]
+        [--steps 8] [--dtype bfloat16] [--out verify_cost.json --plot verify_cost.png]
+
+For each batch size B and tree size S, B requests of a ~100-token prompt
+each verify random trees of exactly S nodes (the `oracle` method in `noise`
+mode: nothing is accepted, so every step is one target forward over
+B * (S + 1) tokens plus tree attention, sampling and the draft hand-over).
+Step time = (time for 1 + steps tokens - time for 1 token) / steps, so the
+prefill is left out. S = 0 is plain decoding. Each configuration runs in its
+own process. Methods size their trees from this curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+
+
+def _measure(model: str, dtype: str, batch: int, size: int, steps: int) -> float:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    spec = None
+    if size:
+        spec = {"method": "oracle", "mode": "noise", "num_speculative_tokens": size,
+                "tree_size": size}
+    llm = LLM(model=model, dtype=dtype, max_model_len=512, enforce_eager=True, seed=0,
+              speculative_config=spec, max_num_seqs=max(batch, 1),
+              max_num_batched_tokens=max(2048, batch * (size + 1) + 256))
+    prompts = [TokensPrompt(prompt_token_ids=[(17 * i + 7 * j) % 4000 + 100
+                                              for j in range(100)]) for i in range(batch)]
+
+    def run(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    t1 = run(1)
+    tn = run(1 + steps)
+    llm.llm_engine.engine_core.shutdown()
+    return (tn - t1) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--sizes", default="0,1,2,4,8,16,32,64")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", default="verify_cost.json")
+    ap.add_argument("--plot", default="verify_cost.png")
+    args = ap.parse_args()
+    from vllm_specplug.models.reference import reference_model_path
+
+    model = args.model or reference_model_path()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    batches = [int(b) for b in args.batch.split(",")]
+    records = []
+    ctx = mp.get_context("spawn")
+    t_start = time.time()
+    for b in batches:
+        for s in sizes:
+            with ctx.Pool(1) as pool:
+                step = pool.apply(_measure, (model, args.dtype, b, s, args.steps))
+            rec = {"batch_size": b, "tree_size": s, "step_ms": step * 1000,
+                   "tokens_per_step": b * (s + 1)}
+            records.append(rec)
+            print(f"batch {b:3d}  tree {s:3d}  step {step * 1000:9.1f} ms", flush=True)
+    base = {r["batch_size"]: r["step_ms"] for r in records if r["tree_size"] == 0}
+    for r in records:
+        r["relative_to_plain"] = r["step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else None
+    meta = {"model": model, "dtype": args.dtype, "steps": args.steps,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "seconds": time.time() - t_start}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "records": records}, f, indent=2)
+    _plot(records, args.plot, meta)
+    print(f"wrote {args.out} and {args.plot}")
+
+
+def _plot(records, path, meta) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b in sorted({r["batch_size"] for r in records}):
+        rs = [r for r in records if r["batch_size"] == b]
+        ax.plot([max(r["tree_size"], 0.5) for r in rs], [r["relative_to_plain"] for r in rs],
+                marker="o", label=f"batch {b}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft tree size (nodes; 0.5 = plain decoding)")
+    ax.set_ylabel("step time / plain decoding step")
+    ax.set_title(f"Verification cost, {os.path.basename(meta['model'])} {meta['dtype']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
