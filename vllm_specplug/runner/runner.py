@@ -222,6 +222,18 @@ class SpecplugRunnerMixin:
                     f"specplug tree verification does not support layer {name} "
                     "(sliding window, ALiBi or logit soft-capping)"
                 )
+            if self.device.type == "cuda" and type(impl).__name__ not in (
+                "FlashAttentionImpl", "TritonAttentionImpl"
+            ):
+                raise ValueError(
+                    f"specplug tree verification on GPU supports the FLASH_ATTN and "
+                    f"TRITON_ATTN backends, not {type(impl).__name__}"
+                )
+            if not hasattr(impl, "do_kv_cache_update"):
+                raise ValueError(
+                    f"specplug needs the attention backend's KV writer "
+                    f"({type(impl).__name__} has no do_kv_cache_update)"
+                )
             if not isinstance(impl.forward, TreeAttentionWrapper):
                 impl.forward = TreeAttentionWrapper(name, impl, lambda: self._sp_step)
 

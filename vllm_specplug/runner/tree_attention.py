@@ -151,6 +151,9 @@ class TreeAttentionWrapper:
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping
         o = output.view(output.shape[0], self.impl.num_heads, -1)
+        if kv_cache.is_cuda:
+            self._fix_rows_cuda(step, query, kv_cache, attn_metadata, o)
+            return out
         for r in step.rows:
             s = r.row_start
             k_ctx, v_ctx = read_context_kv(
@@ -166,6 +169,32 @@ class TreeAttentionWrapper:
                 self.impl.scale,
             )
         return out
+
+
+    def _fix_rows_cuda(self, step, query, kv_cache, attn_metadata, o) -> None:
+        """GPU: the tree rows through the Triton kernel, reading every key
+        (context, root, nodes) from the paged cache, which vLLM has already
+        written. Cache layout of the FLASH_ATTN/TRITON_ATTN backends:
+        ``[2, blocks, block_size, kv_heads, head]``."""
+        from vllm_specplug.kernels.tree_attention import pack_tree_mask, tree_attention
+
+        dev = query.device
+        k_cache, v_cache = kv_cache.unbind(0)
+        rows = torch.cat([torch.arange(r.row_start + 1, r.row_start + 1 + r.num_nodes)
+                          for r in step.rows]).to(dev)
+        n = torch.tensor([r.num_nodes for r in step.rows])
+        qsl = torch.zeros(len(step.rows) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(n, 0)
+        seq_lens = torch.tensor([r.context_len + 1 + r.num_nodes for r in step.rows],
+                                dtype=torch.int32)
+        idx = torch.tensor([r.req_index for r in step.rows], device=dev)
+        masks = torch.cat([pack_tree_mask(r.mask[:, 1:].cpu()) for r in step.rows])
+        out = tree_attention(
+            query.index_select(0, rows), k_cache, v_cache,
+            attn_metadata.block_table.index_select(0, idx), seq_lens.to(dev),
+            qsl.to(dev), self.impl.scale, tree_mask=masks.to(dev),
+        )
+        o.index_copy_(0, rows, out.to(o.dtype))
 
 
 def move_accepted_kv(step: TreeStep, moves: list[tuple[int, int]]) -> None:
