@@ -96,4 +96,4 @@ def test_adapld_memory_does_not_grow_over_200_requests(ref_model):
 def test_dresd_lossless(ref_model, baseline, dense_store):
     stats = _check(ref_model, baseline, {"method": "dresd", "num_speculative_tokens": 16,
                                          "datastore": dense_store})
-    assert stats["method"]["query"]["count"] > 0
+    assert stats["method"]["query"]["n"] > 0
