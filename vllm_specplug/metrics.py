@@ -40,6 +40,8 @@ class SpecplugStatLogger(StatLoggerBase):
                               "Sum of accepted depths over draft trees")
         self.by_depth = _counter("specplug:accepted_depth_drafts",
                                  "Draft trees by exact accepted depth", ["depth"])
+        for c in (self.trees, self.nodes, self.depth):
+            c.labels(self.method)  # exported from start-up, at 0
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                engine_idx: int = 0) -> None:
