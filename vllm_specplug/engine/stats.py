@@ -43,7 +43,8 @@ class TreeStats:
         self.propose_calls += 1
 
     def as_dict(self) -> dict:
-        d = self.__dict__.copy()
+        # Deep enough that callers' snapshots never alias the live histograms.
+        d = {k: dict(v) if isinstance(v, dict) else v for k, v in self.__dict__.items()}
         d["mean_tree_size"] = self.draft_tokens / self.drafts if self.drafts else 0.0
         d["mean_accepted_length"] = (
             1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
