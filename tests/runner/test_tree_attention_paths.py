@@ -69,3 +69,23 @@ def test_cuda_wiring_flash_layout():
         torch.testing.assert_close(out[s + 1 : s + 1 + r.num_nodes],
                                    expected[s + 1 : s + 1 + r.num_nodes],
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_masked_tree_attention_matches_per_query_softmax():
+    """The CPU path's attention against a plain loop over queries and heads."""
+    g = torch.Generator().manual_seed(3)
+    n, c = 6, 37
+    tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, -1, 4])
+    mask = torch.from_numpy(tree.ancestor_mask()[1:])
+    q = torch.randn(n, H, D, generator=g)
+    kc, vc = torch.randn(c, HKV, D, generator=g), torch.randn(c, HKV, D, generator=g)
+    ks, vs = torch.randn(n + 1, HKV, D, generator=g), torch.randn(n + 1, HKV, D, generator=g)
+    got = masked_tree_attention(q, kc, vc, ks, vs, mask, D ** -0.5)
+    keys, vals = torch.cat([kc, ks]), torch.cat([vc, vs])
+    for i in range(n):
+        visible = list(range(c)) + [c + j for j in range(n + 1) if mask[i, j]]
+        for head in range(H):
+            kv = head // (H // HKV)
+            w = torch.softmax(keys[visible, kv] @ q[i, head] * D ** -0.5, dim=0)
+            torch.testing.assert_close(got[i, head], w @ vals[visible, kv],
+                                       atol=1e-5, rtol=1e-5)
