@@ -187,7 +187,8 @@ def test_resume_is_a_no_op_when_done(pipeline):
     assert res["update"] == 24
 
 
-def _run_engines(target: str, head: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def _run_engines(target: str, head: str, prompts: list[list[int]], max_tokens: int,
+                 k: int = K_SPEC) -> dict:
     """Baseline and eagle3 engines in this (spawned) process; records vLLM's
     drafter calls."""
     os.environ.update(ENV)
@@ -249,7 +250,7 @@ def _run_engines(target: str, head: str, prompts: list[list[int]], max_tokens: i
             gc.collect()
 
     base = run(None)
-    spec = run({"method": "eagle3", "model": head, "num_speculative_tokens": K_SPEC})
+    spec = run({"method": "eagle3", "model": head, "num_speculative_tokens": k})
     return {"base": base, "spec": spec}
 
 
