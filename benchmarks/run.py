@@ -166,24 +166,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- methods
+def base_method(name: str) -> str:
+    """``pld@tree`` -> ``pld``: a label after ``@`` runs one method twice with
+    different ``--method-options`` (keyed by the full name)."""
+    return name.split("@", 1)[0]
+
+
 def method_kind(name: str) -> str:
     from vllm_specplug import registry
 
+    name = base_method(name)
     if name == "none":
         return "baseline"
     return "specplug" if registry.is_registered(name) else "vllm"
 
 
-def preflight(name: str, kind: str, opts: dict) -> str | None:
+def preflight(name: str, kind: str, opts: dict, model: str | None = None) -> str | None:
     """Why ``name`` cannot run here (checked without starting vLLM), or None."""
     import importlib.util
 
+    name = base_method(name)
     if kind == "baseline":
         return None
     if kind == "vllm":
         if name == "suffix" and importlib.util.find_spec("arctic_inference") is None:
-            return ("vLLM's suffix decoding needs the arctic-inference package "
-                    "(pip install arctic-inference==0.1.1), not installed")
+            return ("vLLM's suffix decoding needs the arctic-inference package, not "
+                    "installed (scripts/setup.sh builds it from source)")
+        if name == "eagle3" and not opts.get("model") and model:
+            from vllm_specplug.eagle3 import default_head_for
+
+            if default_head_for(model):  # the plugin fills in the shipped head
+                return None
         if name in NEEDS_MODEL and not opts.get("model"):
             return (f"'{name}' needs a draft/head checkpoint: --method-options "
                     f"'{{\"{name}\": {{\"model\": \"<path>\"}}}}'")
@@ -210,7 +223,7 @@ def preflight(name: str, kind: str, opts: dict) -> str | None:
 def spec_config(name: str, args) -> dict | None:
     if name == "none":
         return None
-    return {"method": name, "num_speculative_tokens": args.num_speculative_tokens,
+    return {"method": base_method(name), "num_speculative_tokens": args.num_speculative_tokens,
             **args.options.get(name, {})}
 
 
@@ -534,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = args.options.get(name, {})
         methods.append({"name": name, "kind": kind, "options": opts,
                         "speculative_config": spec_config(name, args),
-                        "skip": preflight(name, kind, opts)})
+                        "skip": preflight(name, kind, opts, model)})
     unknown = set(args.options) - {m["name"] for m in methods}
     if unknown:
         _log(f"note: --method-options for methods not run: {', '.join(sorted(unknown))}")

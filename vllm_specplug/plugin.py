@@ -35,6 +35,8 @@ def register() -> None:
         spec = self.speculative_config
         if isinstance(spec, str):
             spec = json.loads(spec)
+        if isinstance(spec, dict) and spec.get("method") == "eagle3" and not spec.get("model"):
+            return _with_default_eagle3_head(self, spec, original, args, kwargs)
         if not (isinstance(spec, dict) and registry.is_registered(spec.get("method"))):
             return original(self, *args, **kwargs)
         saved = (self.speculative_config, self.worker_cls, self.additional_config)
@@ -48,6 +50,25 @@ def register() -> None:
 
     create_engine_config._specplug = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _with_default_eagle3_head(args_obj, spec: dict, original, args, kwargs):
+    """vLLM's own ``eagle3`` without a ``model``: the head specplug ships for
+    this target's shape (for the reference model: the one trained here)."""
+    from vllm_specplug.eagle3 import default_head_for
+
+    head = default_head_for(str(args_obj.model))
+    if head is None:
+        raise ValueError(
+            "speculative_config method 'eagle3' needs 'model' (a draft head folder); "
+            f"specplug ships no head for {args_obj.model} (train one with "
+            "`specplug eagle3 generate-data` and `specplug eagle3 train`)")
+    saved = args_obj.speculative_config
+    args_obj.speculative_config = {**spec, "model": head}
+    try:
+        return original(args_obj, *args, **kwargs)
+    finally:
+        args_obj.speculative_config = saved
 
 
 def rewrite(spec: dict, worker_cls: str, additional: dict | None):

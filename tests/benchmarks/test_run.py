@@ -226,3 +226,17 @@ def test_schema_accepts_skipped_records_and_table():
     assert "SKIPPED" in report.table(doc)
     rec["reason"] = None  # a non-ok record must say why
     assert report.validate(doc)
+
+
+def test_labelled_variants_and_default_eagle3_head(ref_model, tiny_model):
+    assert run.method_kind("pld@tree") == "specplug"
+    assert "tree_branches" in run.preflight("pld@tree", "specplug", {"tree_branches": 0})
+    args = run.parse_args(["--methods", "pld,pld@tree",
+                           "--method-options", '{"pld@tree": {"tree_branches": 3}}'])
+    assert args.method_names == ["none", "pld", "pld@tree"]
+    spec = run.spec_config("pld@tree", args)
+    assert spec["method"] == "pld" and spec["tree_branches"] == 3
+    assert "tree_branches" not in run.spec_config("pld", args)
+    # the shipped head stands in for "model" on the reference model only
+    assert run.preflight("eagle3", "vllm", {}, ref_model) is None
+    assert "model" in run.preflight("eagle3", "vllm", {}, tiny_model)

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["shipped_head_path"]
+import json
+
+__all__ = ["default_head_for", "shipped_head_path"]
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 
@@ -26,3 +28,32 @@ def shipped_head_path(name: str = "smollm2-135m-instruct") -> str:
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         raise FileNotFoundError(f"no shipped EAGLE-3 head {name!r} in {HEADS_DIR}")
     return path
+
+
+# what a head records about its target and must match the target's config.json
+_MATCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+
+
+def default_head_for(model: str) -> str | None:
+    """The shipped head whose recorded target has the shape of ``model`` (a
+    local Hugging Face folder), or None. A head trained for another model of
+    the same shape stays lossless (vLLM verifies every draft), it only
+    accepts less, so the shape is enough to pick a default."""
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            target = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return None
+    if not os.path.isdir(HEADS_DIR):
+        return None
+    for name in sorted(os.listdir(HEADS_DIR)):
+        meta_path = os.path.join(HEADS_DIR, name, "specplug_eagle3.json")
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                recorded = json.load(f).get("target_config", {})
+        except (OSError, ValueError):
+            continue
+        if recorded and all(recorded.get(k) == target.get(k) for k in _MATCH_KEYS):
+            if os.path.exists(os.path.join(HEADS_DIR, name, "model.safetensors")):
+                return os.path.join(HEADS_DIR, name)
+    return None

@@ -86,7 +86,10 @@ def _generate_chunks(target: str, prompts: list[dict[str, Any]], out_dir: str,
 
     llm = LLM(model=target, dtype=opts["gen_dtype"], seed=opts["seed"],
               max_model_len=opts["max_prompt_tokens"] + opts["max_new_tokens"] + 16,
-              enforce_eager=True, disable_log_stats=True)
+              enforce_eager=True, disable_log_stats=True,
+              # a fixed KV budget: vLLM's CPU default reserves 92% of the
+              # machine's memory and refuses to start beside other processes
+              kv_cache_memory_bytes=opts.get("kv_cache_gib", 2) << 30)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=opts["temperature"], top_p=opts["top_p"],
                             max_tokens=opts["max_new_tokens"], seed=opts["seed"])

@@ -397,6 +397,8 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
         os.replace(ckpt + ".tmp", ckpt)
         meta = {
             "target": os.path.basename(os.path.normpath(target)),
+            "target_config": {k: tcfg.get(k) for k in ("model_type", "hidden_size",
+                                                       "num_hidden_layers", "vocab_size")},
             "data": {k: man.get(k) for k in ("num_prompts", "num_samples", "num_tokens",
                                              "num_response_tokens", "max_new_tokens",
                                              "temperature", "aux_layers")},
