@@ -531,6 +531,13 @@ def main(argv: list[str] | None = None) -> int:
              f"({sum(map(len, s.prompts))} prompt tokens"
              + (f", {s.dropped_too_long} dropped as too long" if s.dropped_too_long else "")
              + f") from {s.source}")
+    few = [s.name for s in suites if len(s.prompts) < max(args.batch_sizes)]
+    if few:
+        # suites run one after another: a suite with fewer prompts than the
+        # batch size never fills the batch
+        _log(f"WARNING: {', '.join(few)} have fewer prompts than batch size "
+             f"{max(args.batch_sizes)}: those runs have fewer requests in flight "
+             f"(raise --limit)")
     if len({s.name for s in suites}) != len(suites):
         _log("error: two suites have the same name")
         return 2

@@ -207,3 +207,26 @@ def test_warm_start_from_file(tmp_path):
     AdjacencyTable(VOCAB + 1, 8).save(path)
     with pytest.raises(SpecplugConfigError, match=r"\['table_path'\].*101.*100"):
         _proposer(table_path=path)
+
+
+def test_stats_report_table_size_and_step_costs():
+    import torch
+
+    from vllm_specplug.engine.interface import ProposerContext, StepRequest
+    from vllm_specplug.methods.recycle import RecycleConfig, RecycleProposer
+
+    import numpy as np
+
+    ctx = ProposerContext(vocab_size=50, hidden_size=8, num_speculative_tokens=6,
+                          max_model_len=64, device=torch.device("cpu"), dtype=torch.float32,
+                          model_path="/models/m", tokenizer_path="/models/m")
+    prop = RecycleProposer(RecycleConfig(topk=4), ctx)
+    assert prop.stats()["update"] == {"n": 0}
+    req = StepRequest(req_id="a", token_ids=np.array([1, 2, 3]), num_prompt_tokens=2,
+                      sampled=True, verified_pos=2)
+    req.topk_ids = torch.tensor([[4, 5, 6, 7]])
+    req.topk_probs = torch.full((1, 4), 0.25)
+    prop.propose([req])
+    st = prop.stats()
+    assert st["table_bytes"] == 50 * 4 * 4 and st["tables"] == 1 and st["filled_rows"] == 1
+    assert st["update"]["n"] == 1 and st["expand"]["n"] == 1 and st["expand"]["mean_ms"] >= 0

@@ -50,3 +50,26 @@ class TreeStats:
             1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
         )
         return d
+
+
+class RunningStat:
+    """Count / mean / min / max / last of a stream of durations (seconds)."""
+
+    __slots__ = ("n", "total", "min", "max", "last")
+
+    def __init__(self) -> None:
+        self.n, self.total, self.min, self.max, self.last = 0, 0.0, float("inf"), 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        self.total += x
+        self.min = min(self.min, x)
+        self.max = max(self.max, x)
+        self.last = x
+
+    def as_ms(self) -> dict:
+        if not self.n:
+            return {"n": 0}
+        return {"n": self.n, "mean_ms": 1e3 * self.total / self.n, "min_ms": 1e3 * self.min,
+                "max_ms": 1e3 * self.max, "last_ms": 1e3 * self.last,
+                "total_s": self.total}

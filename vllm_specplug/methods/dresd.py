@@ -24,6 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from vllm_specplug.config import MethodConfig, SpecplugConfigError
+from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.interface import (
     Needs,
     Proposer,
@@ -77,29 +78,6 @@ class DReSDConfig(MethodConfig):
                 )
 
 
-class _RunningStat:
-    """Count / mean / min / max / last of a stream of durations (seconds)."""
-
-    __slots__ = ("n", "total", "min", "max", "last")
-
-    def __init__(self) -> None:
-        self.n, self.total, self.min, self.max, self.last = 0, 0.0, float("inf"), 0.0, 0.0
-
-    def add(self, x: float) -> None:
-        self.n += 1
-        self.total += x
-        self.min = min(self.min, x)
-        self.max = max(self.max, x)
-        self.last = x
-
-    def as_ms(self) -> dict:
-        if not self.n:
-            return {"n": 0}
-        return {"n": self.n, "mean_ms": 1e3 * self.total / self.n, "min_ms": 1e3 * self.min,
-                "max_ms": 1e3 * self.max, "last_ms": 1e3 * self.last,
-                "total_s": self.total}
-
-
 class DReSDProposer(Proposer):
     name = "dresd"
     config_cls = DReSDConfig
@@ -124,7 +102,7 @@ class DReSDProposer(Proposer):
             if want > max_len:
                 logger.warning("dresd: %s=%d capped at %d (datastore n_next=%d)",
                                key, want, max_len, self.store.n_next)
-        self._query = _RunningStat()
+        self._query = RunningStat()
         self._counts = {"steps": 0, "queries": 0, "neighbours": 0, "dropped_first_token": 0,
                         "dropped_similarity": 0, "duplicates": 0, "drafts": 0,
                         "draft_tokens": 0, "no_hidden": 0, "empty": 0}

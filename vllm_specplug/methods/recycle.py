@@ -9,6 +9,7 @@ that table into a draft tree. No draft model and no extra forward pass.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from pydantic import Field, field_validator
@@ -16,6 +17,7 @@ from pydantic import Field, field_validator
 from vllm_specplug.config import MethodConfig, SpecplugConfigError
 from vllm_specplug.engine.adjacency import AdjacencyTable
 from vllm_specplug.engine.interface import Needs, Proposer, ProposerContext, StepRequest
+from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.template import TreeTemplate, parse_level_counts
 from vllm_specplug.engine.tree import DraftTree
 
@@ -70,6 +72,7 @@ class RecycleProposer(Proposer):
         self.template = config.build_template()
         self.table = self._initial_table()
         self._own: dict[str, AdjacencyTable] = {}  # per_request_tables only
+        self._update_time, self._expand_time = RunningStat(), RunningStat()
 
     def _initial_table(self) -> AdjacencyTable:
         cfg: RecycleConfig = self.config
@@ -148,7 +151,9 @@ class RecycleProposer(Proposer):
         return out.cpu().tolist()  # the one host sync of the step
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        t0 = time.perf_counter()
         self._learn(batch)
+        self._update_time.add(time.perf_counter() - t0)
         budget = self.ctx.num_speculative_tokens
         rooms = {
             i: min(budget, self.ctx.max_model_len - len(req.token_ids))
@@ -159,7 +164,9 @@ class RecycleProposer(Proposer):
         out: list[DraftTree | None] = [None] * len(batch)
         if not live:
             return out
+        t0 = time.perf_counter()
         rows = self._expand([batch[i] for i in live])
+        self._expand_time.add(time.perf_counter() - t0)
         for i, row in zip(live, rows):
             if batch[i].chain_only:
                 tree = DraftTree.chain(self.template.chain_tokens(row, rooms[i]))
@@ -170,3 +177,10 @@ class RecycleProposer(Proposer):
                 tree = self.template.to_draft_tree(row, rooms[i])
             out[i] = tree if len(tree) else None
         return out
+
+    def stats(self) -> dict:
+        """Table size and the per-step cost of its two operations (the
+        update covers every request of the step, the expansion every live one)."""
+        tables = [self.table, *self._own.values()]
+        return {"table_bytes": sum(t.nbytes for t in tables), "tables": len(tables), "filled_rows": self.table.num_filled(),
+                "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()}
