@@ -85,7 +85,41 @@ def _specplug_stats(llm) -> dict | None:
         return None
 
 
-def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
+def _method_delta(before: dict, after: dict, method: str | None) -> dict:
+    """A proposer's own stats over one suite: integer counters as differences,
+    rates recomputed from those differences when the proposer says how
+    (``rates(counters)``), everything else (gauges, latency summaries) as of
+    the end of the suite. Subtracting two rates would be meaningless."""
+    out = {}
+    for key, value in after.items():
+        prev = before.get(key)
+        if (isinstance(value, int) and not isinstance(value, bool)
+                and isinstance(prev, int) and key not in _GAUGES):
+            out[key] = value - prev
+        elif not isinstance(value, float):
+            out[key] = value
+    rates = None
+    if method:
+        try:
+            from vllm_specplug import registry
+
+            rates = getattr(registry.get(method), "rates", None)
+        except Exception:  # noqa: BLE001 - not a specplug method
+            rates = None
+    if rates is not None:
+        try:
+            out.update(rates(out))
+        except (KeyError, TypeError, ZeroDivisionError):
+            pass
+    return out
+
+
+# proposer stats that are levels, not running counts
+_GAUGES = {"live_memories", "memory_bytes", "table_bytes", "tables", "filled_rows"}
+
+
+def _stats_delta(before: dict | None, after: dict | None,
+                 method: str | None = None) -> dict | None:
     if before is None or after is None:
         return None
     out: dict = {}
@@ -93,7 +127,9 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
         prev = before.get(key)
         if isinstance(value, bool) or key.startswith("mean_"):
             continue
-        if isinstance(value, (int, float)) and isinstance(prev, (int, float)):
+        if key == "method" and isinstance(value, dict) and isinstance(prev, dict):
+            out[key] = _method_delta(prev, value, method)
+        elif isinstance(value, (int, float)) and isinstance(prev, (int, float)):
             out[key] = value - prev
         elif isinstance(value, dict) and isinstance(prev, dict) and all(
                 isinstance(v, (int, float)) for v in value.values()):
@@ -186,7 +222,7 @@ def run(job: dict) -> dict:
                 "wall_seconds": wall,
                 "generated_tokens": sum(map(len, outputs)),
                 "counters": _counter_delta(c0, c1),
-                "specplug_stats": _stats_delta(s0, s1),
+                "specplug_stats": _stats_delta(s0, s1, (job.get("spec") or {}).get("method")),
             }
             result["suites"].append(entry)
             _progress(fd, event="suite", suite=suite["name"], wall_seconds=wall,

@@ -793,13 +793,16 @@ class AdaPLDProposer(Proposer):
         hits / lexical misses) and acceptance of the drafts one step later
         (``fallback_recovery_rate``: share of semantic-fallback drafts with
         at least one accepted token)."""
-        c = self.counters
+        return {**self.counters, "live_memories": len(self.memories),
+                "memory_bytes": self.memories.nbytes, **self.rates(self.counters)}
+
+    @staticmethod
+    def rates(c: dict) -> dict[str, float]:
+        """The rates of :meth:`stats` from its counters (also from counter
+        differences, e.g. over one benchmark suite)."""
         attempts = c["retrieval_attempts"]
         misses = attempts - c["lexical_hits"]
         return {
-            **c,
-            "live_memories": len(self.memories),
-            "memory_bytes": self.memories.nbytes,
             "lexical_hit_rate": _rate(c["lexical_hits"], attempts),
             "semantic_hit_rate": _rate(c["semantic_hits"], attempts),
             "no_hit_rate": _rate(c["no_hits"], attempts),
