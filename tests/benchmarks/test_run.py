@@ -240,3 +240,11 @@ def test_labelled_variants_and_default_eagle3_head(ref_model, tiny_model):
     # the shipped head stands in for "model" on the reference model only
     assert run.preflight("eagle3", "vllm", {}, ref_model) is None
     assert "model" in run.preflight("eagle3", "vllm", {}, tiny_model)
+
+
+def test_adjacency_cost_runs():
+    from benchmarks import adjacency_cost
+
+    out = adjacency_cost.main(["--vocab", "512", "--repeats", "5"])
+    assert out["update_rows"] == 72 and out["update"]["median_ms"] > 0
+    assert out["expand"]["p90_ms"] >= out["expand"]["median_ms"]
