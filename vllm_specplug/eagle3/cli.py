@@ -54,6 +54,9 @@ def register_cli(subparsers) -> None:
     g.add_argument("--gen-dtype", default="float32", help="vLLM dtype for generation")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, help="torch threads for the hidden-state pass")
+    g.add_argument("--extend", action="store_true",
+                   help="add the prompts of --sources the folder does not hold yet (by id); "
+                        "finished shards are kept")
     g.set_defaults(func=_cmd_generate)
 
     t = sub.add_parser(
@@ -104,7 +107,7 @@ def _cmd_generate(args) -> int:
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=args.max_prompt_tokens, temperature=args.temperature,
         top_p=args.top_p, shard_size=args.shard_size, aux_layers=aux, seed=args.seed,
-        gen_dtype=args.gen_dtype, threads=args.threads)
+        gen_dtype=args.gen_dtype, threads=args.threads, extend=args.extend)
     print(json.dumps({k: v for k, v in man.items() if k != "shards"}, indent=1))
     return 0
 

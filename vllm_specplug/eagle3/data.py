@@ -227,8 +227,13 @@ def generate_data(target: str, out_dir: str, *, sources: str = "spec_bench,gsm8k
                   temperature: float = 0.0, top_p: float = 1.0, shard_size: int = 64,
                   aux_layers: tuple[int, ...] | None = None, seed: int = 0,
                   gen_dtype: str = "float32", threads: int | None = None,
-                  prompts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Build (or finish building) a data folder; returns its manifest."""
+                  prompts: list[dict[str, Any]] | None = None,
+                  extend: bool = False) -> dict[str, Any]:
+    """Build (or finish building) a data folder; returns its manifest.
+
+    ``extend``: add the prompts of ``sources`` (or ``prompts``) that the
+    folder does not hold yet, by id; finished shards stay, a partial last
+    shard is regenerated with the new prompts filling it."""
     import torch
     from tqdm import tqdm
 
@@ -260,6 +265,10 @@ def generate_data(target: str, out_dir: str, *, sources: str = "spec_bench,gsm8k
     if os.path.exists(ppath):
         with open(ppath, encoding="utf-8") as f:
             plist = [json.loads(line) for line in f if line.strip()]
+        if extend:
+            plist = _extend_prompts(out_dir, plist, prompts if prompts is not None else
+                                    collect_prompts(sources, spec_bench=spec_bench, seed=seed),
+                                    shard_size, num_prompts)
     else:
         plist = prompts if prompts is not None else collect_prompts(
             sources, spec_bench=spec_bench, seed=seed)
@@ -314,6 +323,30 @@ def generate_data(target: str, out_dir: str, *, sources: str = "spec_bench,gsm8k
     _log(f"done: {manifest['num_samples']} samples, {manifest['num_tokens']} tokens "
          f"({manifest['num_response_tokens']} response) in {out_dir}")
     return manifest
+
+
+def _extend_prompts(out_dir: str, plist: list[dict[str, Any]], more: list[dict[str, Any]],
+                    shard_size: int, num_prompts: int | None) -> list[dict[str, Any]]:
+    have = {p["id"] for p in plist}
+    new = [p for p in more if p["id"] not in have]
+    if num_prompts is not None:
+        new = new[:max(0, num_prompts - len(plist))]
+    if not new:
+        return plist
+    if len(plist) % shard_size:  # the last shard was cut short: redo it
+        last = len(plist) // shard_size
+        for path in (os.path.join(out_dir, "gen", f"chunk_{last:05d}.jsonl"),
+                     os.path.join(out_dir, f"shard_{last:05d}.safetensors")):
+            if os.path.exists(path):
+                os.remove(path)
+    plist = plist + new
+    ppath = os.path.join(out_dir, "prompts.jsonl")
+    with open(ppath + ".tmp", "w", encoding="utf-8") as f:
+        for p in plist:
+            f.write(json.dumps(p) + "\n")
+    os.replace(ppath + ".tmp", ppath)
+    _log(f"extended with {len(new)} new prompts ({len(plist)} in all)")
+    return plist
 
 
 class ShardData:
