@@ -98,14 +98,10 @@ def _method_delta(before: dict, after: dict, method: str | None) -> dict:
             out[key] = value - prev
         elif not isinstance(value, float):
             out[key] = value
-    rates = None
-    if method:
-        try:
-            from vllm_specplug import registry
+    from vllm_specplug import registry
 
-            rates = getattr(registry.get(method), "rates", None)
-        except Exception:  # noqa: BLE001 - not a specplug method
-            rates = None
+    rates = (getattr(registry.get(method), "rates", None)
+             if registry.is_registered(method) else None)
     if rates is not None:
         try:
             out.update(rates(out))

@@ -35,14 +35,17 @@ def register() -> None:
         spec = self.speculative_config
         if isinstance(spec, str):
             spec = json.loads(spec)
-        if isinstance(spec, dict) and spec.get("method") == "eagle3" and not spec.get("model"):
-            return _with_default_eagle3_head(self, spec, original, args, kwargs)
-        if not (isinstance(spec, dict) and registry.is_registered(spec.get("method"))):
+        if not isinstance(spec, dict):
+            return original(self, *args, **kwargs)
+        if registry.is_registered(spec.get("method")):
+            new = rewrite(spec, self.worker_cls, self.additional_config)
+        elif spec.get("method") == "eagle3" and not spec.get("model"):
+            new = (_with_default_eagle3_head(spec, str(self.model)), self.worker_cls,
+                   self.additional_config)
+        else:
             return original(self, *args, **kwargs)
         saved = (self.speculative_config, self.worker_cls, self.additional_config)
-        self.speculative_config, self.worker_cls, self.additional_config = rewrite(
-            spec, self.worker_cls, self.additional_config
-        )
+        self.speculative_config, self.worker_cls, self.additional_config = new
         try:
             return original(self, *args, **kwargs)
         finally:
@@ -52,23 +55,18 @@ def register() -> None:
     EngineArgs.create_engine_config = create_engine_config
 
 
-def _with_default_eagle3_head(args_obj, spec: dict, original, args, kwargs):
+def _with_default_eagle3_head(spec: dict, model: str) -> dict:
     """vLLM's own ``eagle3`` without a ``model``: the head specplug ships for
     this target's shape (for the reference model: the one trained here)."""
     from vllm_specplug.eagle3 import default_head_for
 
-    head = default_head_for(str(args_obj.model))
+    head = default_head_for(model)
     if head is None:
         raise ValueError(
             "speculative_config method 'eagle3' needs 'model' (a draft head folder); "
-            f"specplug ships no head for {args_obj.model} (train one with "
+            f"specplug ships no head for {model} (train one with "
             "`specplug eagle3 generate-data` and `specplug eagle3 train`)")
-    saved = args_obj.speculative_config
-    args_obj.speculative_config = {**spec, "model": head}
-    try:
-        return original(args_obj, *args, **kwargs)
-    finally:
-        args_obj.speculative_config = saved
+    return {**spec, "model": head}
 
 
 def rewrite(spec: dict, worker_cls: str, additional: dict | None):

@@ -210,12 +210,11 @@ def test_warm_start_from_file(tmp_path):
 
 
 def test_stats_report_table_size_and_step_costs():
+    import numpy as np
     import torch
 
     from vllm_specplug.engine.interface import ProposerContext, StepRequest
     from vllm_specplug.methods.recycle import RecycleConfig, RecycleProposer
-
-    import numpy as np
 
     ctx = ProposerContext(vocab_size=50, hidden_size=8, num_speculative_tokens=6,
                           max_model_len=64, device=torch.device("cpu"), dtype=torch.float32,

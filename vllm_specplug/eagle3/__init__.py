@@ -12,11 +12,11 @@ Shipped heads live in ``heads/<target>/`` (see :func:`shipped_head_path`).
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
+from typing import Any
 
-__all__ = ["default_head_for", "shipped_head_path"]
+__all__ = ["TARGET_MATCH_KEYS", "default_head_for", "shipped_head_path", "target_config"]
 
 HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads")
 
@@ -30,8 +30,18 @@ def shipped_head_path(name: str = "smollm2-135m-instruct") -> str:
     return path
 
 
-# what a head records about its target and must match the target's config.json
-_MATCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+# what a head records about its target (``target_config`` in its training
+# record) and what must match for it to be a target's default head
+TARGET_MATCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+
+
+def target_config(target: str) -> dict[str, Any]:
+    """A target folder's ``config.json`` (the language model's part of a
+    multimodal wrapper)."""
+    with open(os.path.join(target, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    # multimodal wrappers keep the language model under text_config
+    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
 
 def default_head_for(model: str) -> str | None:
@@ -40,8 +50,7 @@ def default_head_for(model: str) -> str | None:
     the same shape stays lossless (vLLM verifies every draft), it only
     accepts less, so the shape is enough to pick a default."""
     try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            target = json.load(f)
+        target = target_config(model)
     except (OSError, ValueError, TypeError):
         return None
     if not os.path.isdir(HEADS_DIR):
@@ -53,7 +62,7 @@ def default_head_for(model: str) -> str | None:
                 recorded = json.load(f).get("target_config", {})
         except (OSError, ValueError):
             continue
-        if recorded and all(recorded.get(k) == target.get(k) for k in _MATCH_KEYS):
+        if recorded and all(recorded.get(k) == target.get(k) for k in TARGET_MATCH_KEYS):
             if os.path.exists(os.path.join(HEADS_DIR, name, "model.safetensors")):
                 return os.path.join(HEADS_DIR, name)
     return None

@@ -37,6 +37,8 @@ import os
 import time
 from typing import Any, Iterator
 
+from vllm_specplug.eagle3 import target_config
+
 __all__ = ["ShardData", "generate_data", "load_manifest", "target_config"]
 
 MANIFEST = "manifest.json"
@@ -53,13 +55,6 @@ def _write_json(path: str, obj: Any) -> None:
         json.dump(obj, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
-
-
-def target_config(target: str) -> dict[str, Any]:
-    with open(os.path.join(target, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    # multimodal wrappers keep the language model under text_config
-    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
 
 def load_manifest(data_dir: str) -> dict[str, Any]:
@@ -79,6 +74,11 @@ def _render(tok, messages: list[dict[str, str]]) -> list[int]:
     return [int(i) for i in ids]
 
 
+# vLLM's CPU default reserves 92% of the machine's memory for the KV cache and
+# refuses to start beside other processes; generation needs far less
+_GEN_KV_CACHE_BYTES = 2 << 30
+
+
 def _generate_chunks(target: str, prompts: list[dict[str, Any]], out_dir: str,
                      todo: list[int], shard_size: int, opts: dict[str, Any]) -> None:
     from tqdm import tqdm
@@ -86,10 +86,7 @@ def _generate_chunks(target: str, prompts: list[dict[str, Any]], out_dir: str,
 
     llm = LLM(model=target, dtype=opts["gen_dtype"], seed=opts["seed"],
               max_model_len=opts["max_prompt_tokens"] + opts["max_new_tokens"] + 16,
-              enforce_eager=True, disable_log_stats=True,
-              # a fixed KV budget: vLLM's CPU default reserves 92% of the
-              # machine's memory and refuses to start beside other processes
-              kv_cache_memory_bytes=opts.get("kv_cache_gib", 2) << 30)
+              enforce_eager=True, disable_log_stats=True, kv_cache_memory_bytes=_GEN_KV_CACHE_BYTES)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=opts["temperature"], top_p=opts["top_p"],
                             max_tokens=opts["max_new_tokens"], seed=opts["seed"])

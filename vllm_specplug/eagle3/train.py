@@ -299,7 +299,8 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     import torch
     from tqdm import tqdm
 
-    from vllm_specplug.eagle3.data import ShardData, target_config
+    from vllm_specplug.eagle3 import TARGET_MATCH_KEYS, target_config
+    from vllm_specplug.eagle3.data import ShardData
     from vllm_specplug.eagle3.model import (TRAIN_META_NAME, Eagle3Draft, build_head_config,
                                              save_head, vocab_mapping)
 
@@ -397,8 +398,7 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
         os.replace(ckpt + ".tmp", ckpt)
         meta = {
             "target": os.path.basename(os.path.normpath(target)),
-            "target_config": {k: tcfg.get(k) for k in ("model_type", "hidden_size",
-                                                       "num_hidden_layers", "vocab_size")},
+            "target_config": {k: tcfg.get(k) for k in TARGET_MATCH_KEYS},
             "data": {k: man.get(k) for k in ("num_prompts", "num_samples", "num_tokens",
                                              "num_response_tokens", "max_new_tokens",
                                              "temperature", "aux_layers")},

@@ -182,5 +182,6 @@ class RecycleProposer(Proposer):
         """Table size and the per-step cost of its two operations (the
         update covers every request of the step, the expansion every live one)."""
         tables = [self.table, *self._own.values()]
-        return {"table_bytes": sum(t.nbytes for t in tables), "tables": len(tables), "filled_rows": self.table.num_filled(),
+        return {"table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
+                "filled_rows": self.table.num_filled(),
                 "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()}
