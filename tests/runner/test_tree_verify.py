@@ -46,3 +46,4 @@ def test_random_trees_lossless_with_exact_depth(tiny_model, reference, batch):
     assert stats["tree_drafts"] > 0 and stats["kv_moves"] > 0
     # The oracle knows how deep each tree is right; the engine must agree.
     assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
+    assert stats["drafts"] == stats["method"]["drafts"]

@@ -73,6 +73,10 @@ class StepRequest:
     chain_only: bool = False
     """The request's sampling needs vLLM's chain verifier (penalties, bad
     words, logits processors, structured output): return a chain or nothing."""
+    draft_kept: int = 0
+    """Nodes of this request's previous tree that this step verified: its
+    first ``draft_kept`` nodes (the runner's budget and vLLM's scheduler
+    may keep only a prefix; 0 when nothing was verified)."""
 
     @property
     def last_token(self) -> int:

@@ -13,6 +13,9 @@ class TreeStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     kv_moves: int = 0
+    preempted: int = 0
+    """Requests the scheduler preempted (their trees and method state are
+    dropped; they come back through a recompute prefill)."""
     accepted_depth_hist: dict[int, int] = field(default_factory=dict)
     tree_size_hist: dict[int, int] = field(default_factory=dict)
     collect_seconds: float = 0.0

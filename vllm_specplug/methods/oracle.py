@@ -57,6 +57,19 @@ class OracleProposer(Proposer):
             raise ValueError("oracle: reference_file is required unless mode='noise'")
         self.expected_accepted = 0
         self.drafts = 0
+        # A tree counts once a later step reports how much of it was
+        # verified (the scheduler may keep a prefix, preemption none).
+        self._pending: dict[str, tuple[DraftTree, list[int]]] = {}
+
+    def remove_request(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+
+    def _confirm(self, req: StepRequest) -> None:
+        tree, truth = self._pending.pop(req.req_id, (None, None))
+        if tree is None or req.draft_kept <= 0:
+            return
+        self.expected_accepted += _accepted_depth(tree.truncated(req.draft_kept), truth)
+        self.drafts += 1
 
     def _continuation(self, tokens: list[int]) -> list[int] | None:
         n = len(tokens)
@@ -80,6 +93,7 @@ class OracleProposer(Proposer):
         cfg: OracleConfig = self.config
         out: list[DraftTree | None] = []
         for req in batch:
+            self._confirm(req)
             if cfg.mode == "noise":
                 size = min(cfg.tree_size or self.ctx.num_speculative_tokens,
                            self.ctx.num_speculative_tokens)
@@ -102,21 +116,24 @@ class OracleProposer(Proposer):
                                 cfg.shuffle)
             if req.chain_only:
                 tree = tree.first_path()
-            a = 0
-            children = tree.children()
-            cur = -1
-            while a < len(truth):
-                nxt = [c for c in children[cur + 1] if tree.tokens[c] == truth[a]]
-                if not nxt:
-                    break
-                cur, a = nxt[0], a + 1
-            self.expected_accepted += a
-            self.drafts += 1
+            self._pending[req.req_id] = (tree, truth)
             out.append(tree)
         return out
 
     def stats(self) -> dict:
         return {"expected_accepted": self.expected_accepted, "drafts": self.drafts}
+
+
+def _accepted_depth(tree: DraftTree, truth: list[int]) -> int:
+    """How deep greedy verification goes along ``truth`` in ``tree``."""
+    a, cur = 0, -1
+    children = tree.children()
+    while a < len(truth):
+        nxt = [c for c in children[cur + 1] if tree.tokens[c] == truth[a]]
+        if not nxt:
+            break
+        cur, a = nxt[0], a + 1
+    return a
 
 
 def _random_tree(rng, truth, size, max_depth, vocab, shuffle) -> DraftTree:
@@ -131,9 +148,11 @@ def _random_tree(rng, truth, size, max_depth, vocab, shuffle) -> DraftTree:
         d = 0 if p < 0 else _depth(parents, p)
         tok = rng.randrange(vocab)
         # A wrong token where the truth continues keeps the accepted depth
-        # exactly `depth`; sibling duplicates are avoided too.
-        on_path = p == d - 1 and d < len(truth)
-        if on_path and tok == truth[d]:
+        # exactly `depth`; sibling duplicates are avoided too. Nothing goes
+        # below the end of a known truth: the target's next token there is
+        # unknown, and a random token could match it by chance.
+        on_path = bool(truth) and p == d - 1
+        if on_path and (d >= len(truth) or tok == truth[d]):
             continue
         if any(parents[i] == p and tokens[i] == tok for i in range(len(tokens))):
             continue

@@ -147,6 +147,24 @@ def _input_embeddings(model, vocab_size: int) -> torch.Tensor | None:
     return None if weight is None else weight[:vocab_size].detach()
 
 
+def _num_real(tokens) -> int:
+    """Draft tokens before vLLM's -1 padding (rejected structured-output
+    positions)."""
+    for n, t in enumerate(tokens):
+        if t < 0:
+            return n
+    return len(tokens)
+
+
+def _real_draft_counts(meta: SpecDecodeMetadata) -> list[int]:
+    # vLLM pads a new request whose prompt is fully cached with a draft of
+    # -1s (uniform step shapes); that is no draft, whatever vLLM's counters
+    # say.
+    flat = meta.draft_token_ids.tolist()
+    cu = np.concatenate([[0], np.cumsum(meta.num_draft_tokens)])
+    return [_num_real(flat[cu[i] : cu[i + 1]]) for i in range(len(cu) - 1)]
+
+
 def _chain_only(sp) -> bool:
     """Sampling that vLLM's chain verifier handles with per-path context
     (penalties, bad words, logits processors, structured output...)."""
@@ -280,8 +298,9 @@ class SpecplugRunnerMixin:
     # ------------------------------------------------------- request states
     def _update_states(self, scheduler_output):
         prop = self._sp_proposer
-        gone = set(scheduler_output.finished_req_ids)
-        gone |= set(scheduler_output.preempted_req_ids or ())
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        self._sp_stats.preempted += len(preempted)
+        gone = set(scheduler_output.finished_req_ids) | preempted
         for rid in gone:
             self._sp_trees.pop(rid, None)
             if prop is not None:
@@ -346,7 +365,8 @@ class SpecplugRunnerMixin:
                     acc = (out.sampled_token_ids != -1).sum(-1).tolist()
                     for i, a in enumerate(acc):
                         self._sp_rows[i] = list(range(max(a, 1)))
-                    self._sp_stats.record_chains(spec_decode_metadata.num_draft_tokens, acc)
+                    self._sp_stats.record_chains(_real_draft_counts(spec_decode_metadata),
+                                                 acc)
                 return out
             return self._sp_sample_trees(logits, spec_decode_metadata)
         finally:
@@ -388,7 +408,8 @@ class SpecplugRunnerMixin:
         self._sp_move_kv(chosen.paths, accepted)
         for i, path in enumerate(chosen.paths):
             self._sp_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
-        self._sp_stats.record_trees(n_draft, accepted, self._sp_step_trees)
+        self._sp_stats.record_trees([_num_real(d) for d in drafts], accepted,
+                                    self._sp_step_trees)
         return out
 
     def _sp_move_kv(self, paths, accepted) -> None:
@@ -419,12 +440,13 @@ class SpecplugRunnerMixin:
         if scheduler_output.num_spec_tokens_to_schedule:
             budget = min(budget, scheduler_output.num_spec_tokens_to_schedule)
         batch: list[StepRequest] = []
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
         for i, rid in enumerate(self.input_batch.req_ids):
             n_sched = scheduler_output.num_scheduled_tokens[rid]
             c = int(self.input_batch.num_computed_tokens_cpu[i])
             ntok = int(self.input_batch.num_tokens_no_spec[i])
             n_prompt = int(self.input_batch.num_prompt_tokens[i])
-            is_decode = rid in scheduler_output.scheduled_spec_decode_tokens or (
+            is_decode = rid in scheduled or (
                 n_sched == 1 and c >= n_prompt
             )
             rel = self._sp_rows.get(i, [0]) if is_decode else list(range(n_sched))
@@ -439,6 +461,7 @@ class SpecplugRunnerMixin:
                 verified_pos=c,
                 temperature=float(sp.temperature) if sp is not None else 0.0,
                 chain_only=_chain_only(sp),
+                draft_kept=_num_real(scheduled.get(rid, ())),
             )
             if needs.hidden:
                 sreq.hidden = hidden_states[rows]
