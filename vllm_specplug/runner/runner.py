@@ -32,6 +32,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
@@ -147,22 +148,17 @@ def _input_embeddings(model, vocab_size: int) -> torch.Tensor | None:
     return None if weight is None else weight[:vocab_size].detach()
 
 
+def _drafts_per_request(meta: SpecDecodeMetadata) -> list[list[int]]:
+    flat = meta.draft_token_ids.tolist()
+    cu = np.concatenate([[0], np.cumsum(meta.num_draft_tokens)])
+    return [flat[cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
+
+
 def _num_real(tokens) -> int:
-    """Draft tokens before vLLM's -1 padding (rejected structured-output
-    positions)."""
-    for n, t in enumerate(tokens):
-        if t < 0:
-            return n
-    return len(tokens)
-
-
-def _real_draft_counts(meta: SpecDecodeMetadata) -> list[int]:
     # vLLM pads a new request whose prompt is fully cached with a draft of
     # -1s (uniform step shapes); that is no draft, whatever vLLM's counters
     # say.
-    flat = meta.draft_token_ids.tolist()
-    cu = np.concatenate([[0], np.cumsum(meta.num_draft_tokens)])
-    return [_num_real(flat[cu[i] : cu[i + 1]]) for i in range(len(cu) - 1)]
+    return len(strip_speculative_padding(list(tokens)))
 
 
 def _chain_only(sp) -> bool:
@@ -365,8 +361,9 @@ class SpecplugRunnerMixin:
                     acc = (out.sampled_token_ids != -1).sum(-1).tolist()
                     for i, a in enumerate(acc):
                         self._sp_rows[i] = list(range(max(a, 1)))
-                    self._sp_stats.record_chains(_real_draft_counts(spec_decode_metadata),
-                                                 acc)
+                    self._sp_stats.record_chains(
+                        [_num_real(d) for d in _drafts_per_request(spec_decode_metadata)],
+                        acc)
                 return out
             return self._sp_sample_trees(logits, spec_decode_metadata)
         finally:
@@ -376,9 +373,7 @@ class SpecplugRunnerMixin:
     def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata):
         sm = self.input_batch.sampling_metadata
         n_draft = meta.num_draft_tokens
-        flat = meta.draft_token_ids.tolist()
-        cu = np.concatenate([[0], np.cumsum(n_draft)])
-        drafts = [flat[cu[i] : cu[i + 1]] for i in range(len(n_draft))]
+        drafts = _drafts_per_request(meta)
         temps = self.input_batch.temperature_cpu[: len(n_draft)]
         greedy = {i for i, t in enumerate(temps) if sm.all_greedy or t == 0.0}
         probs = None
@@ -446,9 +441,7 @@ class SpecplugRunnerMixin:
             c = int(self.input_batch.num_computed_tokens_cpu[i])
             ntok = int(self.input_batch.num_tokens_no_spec[i])
             n_prompt = int(self.input_batch.num_prompt_tokens[i])
-            is_decode = rid in scheduled or (
-                n_sched == 1 and c >= n_prompt
-            )
+            is_decode = rid in scheduled or (n_sched == 1 and c >= n_prompt)
             rel = self._sp_rows.get(i, [0]) if is_decode else list(range(n_sched))
             rows = torch.as_tensor(qsl[i] + np.asarray(rel), device=hidden_states.device)
             req = self.requests.get(rid)
