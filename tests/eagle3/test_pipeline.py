@@ -187,6 +187,42 @@ def test_resume_is_a_no_op_when_done(pipeline):
     assert res["update"] == 24
 
 
+@pytest.mark.engine
+def test_init_from_continues_a_saved_head(pipeline, tmp_path):
+    """--init-from starts where a saved head is (same eval loss, same draft
+    vocabulary), not from scratch, and records where it came from."""
+    from vllm_specplug.eagle3.train import train
+
+    with open(os.path.join(pipeline["head"], "specplug_eagle3.json"), encoding="utf-8") as f:
+        before = json.load(f)
+    out = str(tmp_path / "more")
+    res = train(pipeline["data"], out, init_from=pipeline["head"], ttt_steps=4, max_updates=4,
+                batch_size=4, lr=1e-3, warmup=1, eval_samples=4, save_every=100, log_every=2,
+                threads=1, progress=False)
+    start = res["history"]["eval"][0]
+    assert start["loss"] == pytest.approx(before["eval"]["loss"], rel=0.02)
+    fresh = res["history"]["eval"][0]["loss"] < pipeline["result"]["history"]["eval"][0]["loss"]
+    assert fresh  # a from-scratch head starts far higher
+    with open(os.path.join(out, "specplug_eagle3.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    assert meta["train"]["draft_vocab_size"] == 300
+    assert meta["train"]["init_from"]["path"] == os.path.abspath(pipeline["head"])
+    assert meta["train"]["init_from"]["train"]["updates"] == before["train"]["updates"]
+
+
+def test_init_from_rejects_a_head_of_another_shape():
+    from vllm_specplug.eagle3.train import _check_init_head
+
+    cfg = {"vocab_size": 512, "target_hidden_size": 256,
+           "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    tcfg = {"vocab_size": 512, "hidden_size": 256}
+    _check_init_head(cfg, tcfg, (0, 1, 2), "h")
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        _check_init_head(cfg, tcfg, (0, 1, 3), "h")
+    with pytest.raises(ValueError, match="vocab_size 512 \\(target/data: 1000\\)"):
+        _check_init_head(cfg, {"vocab_size": 1000, "hidden_size": 256}, (0, 1, 2), "h")
+
+
 def _run_engines(target: str, head: str, prompts: list[list[int]], max_tokens: int,
                  k: int = K_SPEC) -> dict:
     """Baseline and eagle3 engines in this (spawned) process; records vLLM's

@@ -93,6 +93,9 @@ def register_cli(subparsers) -> None:
     t.add_argument("--max-minutes", type=float, help="stop (and save) after this long")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, help="torch threads")
+    t.add_argument("--init-from", metavar="HEAD_DIR",
+                   help="start from this saved head (weights and draft vocabulary), e.g. "
+                        "to go on training a shipped head on a bigger data folder")
     t.set_defaults(func=_cmd_train)
 
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -123,7 +126,8 @@ def _cmd_train(args) -> int:
         max_len=args.max_len, eval_samples=args.eval_samples, eval_every=args.eval_every,
         save_every=args.save_every, log_every=args.log_every, head_dtype=args.head_dtype,
         seed=args.seed, threads=args.threads, checkpoint_dir=args.checkpoint_dir,
-        intermediate_size=args.intermediate_size, max_minutes=args.max_minutes)
+        intermediate_size=args.intermediate_size, max_minutes=args.max_minutes,
+        init_from=args.init_from)
     print(json.dumps({"update": res["update"], "total": res["total"], "eval": res["eval"]},
                      indent=1))
     return 0

@@ -294,15 +294,20 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
           head_dtype: str = "float16", seed: int = 0, threads: int | None = None,
           checkpoint_dir: str | None = None, max_shards: int | None = None,
           intermediate_size: int | None = None, max_minutes: float | None = None,
-          progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) a head; returns the final metrics."""
+          init_from: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train (or resume) a head; returns the final metrics.
+
+    ``init_from``: a saved head folder to start from (its weights, draft
+    vocabulary and shape; ``draft_vocab_size`` and ``intermediate_size`` are
+    then taken from it), e.g. to go on training a shipped head on more data.
+    Ignored when a checkpoint in ``out_dir`` resumes a run."""
     import torch
     from tqdm import tqdm
 
     from vllm_specplug.eagle3 import TARGET_MATCH_KEYS, target_config
     from vllm_specplug.eagle3.data import ShardData
     from vllm_specplug.eagle3.model import (TRAIN_META_NAME, Eagle3Draft, build_head_config,
-                                             save_head, vocab_mapping)
+                                             load_head, save_head, vocab_mapping)
 
     if threads:
         torch.set_num_threads(threads)
@@ -329,11 +334,22 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     ckpt = os.path.join(ckpt_dir, "state.pt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False) if os.path.exists(ckpt) else None
 
+    init = None
+    if state is None and init_from:
+        init = load_head(init_from, tw["embed"])
+        _check_init_head(init.cfg, tcfg, tuple(man["aux_layers"]), init_from)
+
     # draft vocabulary
     if state is not None:
         d2t, t2d = state["d2t"], state["t2d"]
         cfg = state["config"]
         coverage = state.get("vocab_coverage")
+    elif init is not None:
+        d2t, t2d, cfg = init.d2t, init.t2d, dict(init.cfg)
+        resp = torch.zeros(vocab, dtype=torch.int64)
+        for s in train_set:
+            resp += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab)[:vocab]
+        coverage = float(resp[init.t2d].sum()) / max(1, int(resp.sum()))
     else:
         vd = vocab if not draft_vocab_size or draft_vocab_size >= vocab else int(draft_vocab_size)
         counts = torch.zeros(vocab, dtype=torch.int64)
@@ -366,10 +382,12 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     model = Eagle3Draft(cfg, tw["embed"], d2t if cfg["draft_vocab_size"] != vocab else None,
                         t2d if cfg["draft_vocab_size"] != vocab else None)
     draft_rows = tw["lm_head"][(torch.arange(cfg["draft_vocab_size"]) + model.d2t).long()]
-    if state is None:
-        model.init_from_target(tw["lm_head"], tw["norm"])
-    else:
+    if state is not None:
         model.load_state_dict(state["model"])
+    elif init is not None:
+        model.load_state_dict(init.state_dict())
+    else:
+        model.init_from_target(tw["lm_head"], tw["norm"])
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     if state is not None:
@@ -387,6 +405,8 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
          f"{n_params / 1e6:.2f}M params; {total} updates of {batch_size} samples; "
          f"start at update {update}")
 
+    init_meta = state.get("init_from") if state else _head_record(init_from) if init else None
+
     def save(final: bool = False) -> dict[str, Any]:
         os.makedirs(ckpt_dir, exist_ok=True)
         ev = evaluate(model, eval_set, **kw) if eval_set else {}
@@ -394,7 +414,8 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
             history["eval"].append({"update": update, **ev})
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                     "update": update, "history": history, "config": cfg, "d2t": model.d2t,
-                    "t2d": model.t2d, "vocab_coverage": coverage}, ckpt + ".tmp")
+                    "t2d": model.t2d, "vocab_coverage": coverage, "init_from": init_meta},
+                   ckpt + ".tmp")
         os.replace(ckpt + ".tmp", ckpt)
         meta = {
             "target": os.path.basename(os.path.normpath(target)),
@@ -406,7 +427,7 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
                       "ttt_steps": ttt_steps, "step_weight": step_weight, "loss": loss,
                       "lr": lr, "draft_vocab_size": cfg["draft_vocab_size"],
                       "vocab_coverage": coverage, "train_samples": len(train_set),
-                      "eval_samples": len(eval_set)},
+                      "eval_samples": len(eval_set), "init_from": init_meta},
             "eval": ev, "final": final,
         }
         save_head(model, out_dir, dtype=head_dtype, extra_meta=meta)
@@ -466,6 +487,33 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     ev = save(final=update >= total)
     _log(f"saved head to {out_dir} at update {update}/{total}" + (f"; eval: {_fmt(ev)}" if ev else ""))
     return {"update": update, "total": total, "eval": ev, "history": history}
+
+
+def _check_init_head(cfg: dict[str, Any], tcfg: dict[str, Any], aux: tuple[int, ...],
+                     path: str) -> None:
+    """A head to start from must fit the target and the data's aux layers."""
+    want = {"vocab_size": int(tcfg["vocab_size"]), "target_hidden_size": int(tcfg["hidden_size"]),
+            "eagle_aux_hidden_state_layer_ids": list(aux)}
+    got = {"vocab_size": cfg.get("vocab_size"),
+           "target_hidden_size": cfg.get("target_hidden_size", cfg.get("hidden_size")),
+           "eagle_aux_hidden_state_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids")}
+    bad = [f"{k} {got[k]} (target/data: {v})" for k, v in want.items() if got[k] != v]
+    if bad:
+        raise ValueError(f"--init-from {path}: head does not fit: " + "; ".join(bad))
+
+
+def _head_record(path: str) -> dict[str, Any]:
+    """What a starting head's own training record says (kept in ours)."""
+    from vllm_specplug.eagle3.model import TRAIN_META_NAME
+
+    rec: dict[str, Any] = {"path": os.path.abspath(path)}
+    try:
+        with open(os.path.join(path, TRAIN_META_NAME), encoding="utf-8") as f:
+            old = json.load(f)
+        rec.update({k: old.get(k) for k in ("data", "train", "eval")})
+    except (OSError, ValueError):
+        pass
+    return rec
 
 
 def _fmt(ev: dict[str, Any]) -> str:
