@@ -79,6 +79,59 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(doc: dict) -> str:
+    """The run as Markdown: per batch size, one row per method and one column
+    per suite, ``tok/s (speedup) / mean accepted length``, then whether every
+    output was identical to ``none``; the self-repetition ceiling as a last row."""
+    suites = list(dict.fromkeys(r["suite"] for r in doc["records"]))
+    out = []
+    for b in doc["run"]["batch_sizes"]:
+        recs = {(r["method"], r["suite"]): r for r in doc["records"] if r["batch_size"] == b}
+        methods = list(dict.fromkeys(m for m, _ in recs))
+        out.append(f"**batch {b}**: tokens/s (speedup vs none) / mean accepted length\n")
+        out.append("| method | " + " | ".join(suites) + " | identical |")
+        out.append("|---" * (len(suites) + 2) + "|")
+        for m in methods:
+            cells, same = [], []
+            for su in suites:
+                r = recs.get((m, su))
+                if r is None:
+                    cells.append("")
+                    continue
+                if r["status"] != "ok":
+                    cells.append(r["status"])
+                    continue
+                cell = f"{r['tokens_per_s']:.1f} ({_fmt(r['speedup'], '.2f')}x)"
+                if r["mean_accepted_length"] is not None:
+                    cell += f" / {r['mean_accepted_length']:.2f}"
+                cells.append(cell)
+                same.append(identical_cell(r))
+            ident = "yes" if same and all(x == "yes" for x in same) else ", ".join(
+                sorted(set(same))) or "-"
+            out.append(f"| {m} | " + " | ".join(cells) + f" | {ident} |")
+        ceil = {c["suite"]: c for c in doc.get("ceilings", []) if c["batch_size"] == b}
+        if ceil:
+            out.append("| *ceiling* (self-repetition, without / with prompt) | " + " | ".join(
+                f"{_fmt(ceil[su]['self_repetition'], '.2f')} / "
+                f"{_fmt(ceil[su]['self_repetition_with_prompt'], '.2f')}"
+                if su in ceil else "" for su in suites) + " | |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.report RESULTS.json [--markdown]``: print a saved run."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("results")
+    ap.add_argument("--markdown", action="store_true", help="tables for a README")
+    args = ap.parse_args(argv)
+    doc = json.loads(Path(args.results).read_text(encoding="utf-8"))
+    print(markdown(doc) if args.markdown else table(doc))
+    return 0
+
+
 def plot(doc: dict, path: str) -> None:
     """Speedup and mean accepted length per suite (one row per batch size);
     the accepted-length panel marks the self-repetition ceilings."""
@@ -139,3 +192,7 @@ def plot(doc: dict, path: str) -> None:
     fig.tight_layout(rect=(0, (0.5 + 0.25 * ((len(legend) - 1) // 8)) / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

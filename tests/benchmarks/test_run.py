@@ -70,6 +70,11 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
     assert 0 <= pld["proposer_time_share"] < 1
     assert pld["specplug_stats"]["drafts"] == pld["drafts"]
     assert [c["suite"] for c in doc["ceilings"]] == ["specbench"]
+    md = report.markdown(doc).splitlines()
+    assert md[2] == "| method | specbench | identical |"
+    pld_row = next(line for line in md if line.startswith("| pld |"))
+    assert pld_row.endswith("| yes |") and f"/ {pld['mean_accepted_length']:.2f}" in pld_row
+    assert any(line.startswith("| *ceiling*") for line in md)
     # Human-readable table and progress on stdout, and the plot.
     assert "== batch size 2 ==" in proc.stdout and "pld (specplug) batch=2" in proc.stdout
     if report_has_matplotlib():
@@ -224,6 +229,7 @@ def test_schema_accepts_skipped_records_and_table():
                               "skipped_reason": "needs a head"}]
     assert report.validate(doc) == []
     assert "SKIPPED" in report.table(doc)
+    assert "| eagle3 | skipped | - |" in report.markdown(doc)
     rec["reason"] = None  # a non-ok record must say why
     assert report.validate(doc)
 
