@@ -39,7 +39,7 @@ from typing import Any, Iterator
 
 from vllm_specplug.eagle3 import target_config
 
-__all__ = ["ShardData", "generate_data", "load_manifest", "target_config"]
+__all__ = ["ShardData", "generate_data", "load_manifest", "target_config", "token_counts"]
 
 MANIFEST = "manifest.json"
 DATA_FORMAT = 1
@@ -375,10 +375,16 @@ class ShardData:
         return iter(self.samples)
 
     def token_counts(self, vocab_size: int, response_only: bool = True):
-        import torch
+        return token_counts(self.samples, vocab_size, response_only)
 
-        counts = torch.zeros(vocab_size, dtype=torch.int64)
-        for s in self.samples:
-            ids = s["input_ids"][s["loss_mask"]] if response_only else s["input_ids"]
-            counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
-        return counts
+
+def token_counts(samples, vocab_size: int, response_only: bool = True):
+    """How often each token id occurs in ``samples`` (response tokens only, or
+    prompts too)."""
+    import torch
+
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in samples:
+        ids = s["input_ids"][s["loss_mask"]] if response_only else s["input_ids"]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts

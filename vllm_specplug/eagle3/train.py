@@ -305,7 +305,7 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     from tqdm import tqdm
 
     from vllm_specplug.eagle3 import TARGET_MATCH_KEYS, target_config
-    from vllm_specplug.eagle3.data import ShardData
+    from vllm_specplug.eagle3.data import ShardData, token_counts
     from vllm_specplug.eagle3.model import (TRAIN_META_NAME, Eagle3Draft, build_head_config,
                                              load_head, save_head, vocab_mapping)
 
@@ -346,18 +346,11 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
         coverage = state.get("vocab_coverage")
     elif init is not None:
         d2t, t2d, cfg = init.d2t, init.t2d, dict(init.cfg)
-        resp = torch.zeros(vocab, dtype=torch.int64)
-        for s in train_set:
-            resp += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab)[:vocab]
-        coverage = float(resp[init.t2d].sum()) / max(1, int(resp.sum()))
+        coverage = _coverage(token_counts(train_set, vocab), init.t2d)
     else:
         vd = vocab if not draft_vocab_size or draft_vocab_size >= vocab else int(draft_vocab_size)
-        counts = torch.zeros(vocab, dtype=torch.int64)
-        all_counts = torch.zeros(vocab, dtype=torch.int64)
-        for s in train_set:
-            ids = s["input_ids"][s["loss_mask"]]
-            counts += torch.bincount(ids, minlength=vocab)[:vocab]
-            all_counts += torch.bincount(s["input_ids"], minlength=vocab)[:vocab]
+        counts = token_counts(train_set, vocab)
+        all_counts = token_counts(train_set, vocab, response_only=False)
         if vd < vocab:
             # response-token frequency first; ties (notably unseen tokens) by
             # frequency in the whole samples (prompts too), then by id
@@ -371,7 +364,7 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
             missing = [sp for sp in dict.fromkeys(specials) if sp not in set(used)]
             if missing:  # end-of-turn tokens always stay draftable
                 used = used[:vd - len(missing)] + missing
-            coverage = float(counts[torch.tensor(used)].sum()) / max(1, int(counts.sum()))
+            coverage = _coverage(counts, torch.tensor(used))
         else:
             used = list(range(vocab))
             coverage = 1.0
@@ -487,6 +480,11 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     ev = save(final=update >= total)
     _log(f"saved head to {out_dir} at update {update}/{total}" + (f"; eval: {_fmt(ev)}" if ev else ""))
     return {"update": update, "total": total, "eval": ev, "history": history}
+
+
+def _coverage(counts, draft_ids) -> float:
+    """Share of the counted response tokens that the draft vocabulary holds."""
+    return float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
 
 
 def _check_init_head(cfg: dict[str, Any], tcfg: dict[str, Any], aux: tuple[int, ...],
