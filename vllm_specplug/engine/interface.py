@@ -40,6 +40,11 @@ class Needs:
     the prompt; the adjacency table learns from it)."""
     tree_topk: bool = False
     """Top-k at every verified tree node, accepted or rejected."""
+    aux_layers: tuple[int, ...] = ()
+    """Residual-stream layers to capture at every verified row, prefill
+    chunks included (vLLM's aux convention: layer ``L`` is the input of
+    decoder layer ``L``, i.e. after ``L`` layers). Concatenated in this order
+    into ``StepRequest.aux_hidden`` (EAGLE-3 heads read three)."""
 
 
 @dataclass
@@ -62,6 +67,9 @@ class StepRequest:
     verified_pos: int
     hidden: torch.Tensor | None = None
     layer_hidden: torch.Tensor | None = None
+    aux_hidden: torch.Tensor | None = None
+    """``[n_rows, len(aux_layers) * hidden]``: the layers of
+    ``Needs.aux_layers`` at the same rows as ``hidden``, concatenated."""
     topk_ids: torch.Tensor | None = None
     topk_probs: torch.Tensor | None = None
     node_tokens: torch.Tensor | None = None

@@ -23,10 +23,20 @@ class DraftTree:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    scores: list[float] | None = None
+    """Optional per-node score, higher is better (e.g. a drafter's cumulative
+    log-probability); a cost-aware budget cuts the tree by it."""
+    sources: list[str] | None = None
+    """Optional per-node source name (which drafter made the node); the
+    runner counts accepted tokens per source."""
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
             raise ValueError("tokens and parents differ in length")
+        for name in ("scores", "sources"):
+            meta = getattr(self, name)
+            if meta is not None and len(meta) != len(self.tokens):
+                raise ValueError(f"{name} and tokens differ in length")
 
     def __len__(self) -> int:
         return len(self.tokens)
