@@ -28,6 +28,7 @@ from vllm_specplug.methods.adapld import (
     successor_paths,
 )
 from vllm_specplug.sources.context_memory import ContextMemory
+from tests.methods.budget import propose
 
 V, H = 64, 4
 
@@ -275,7 +276,7 @@ def test_proposer_lexical_hit_main_branches_successors():
     tokens = [5, 1, 2, 3, 4, 20, 6, 21, 1]
     ids = [[0, 0, 0]] * 8
     ids[1] = [2, 20, 21]  # after the anchor (pos 1): main first (2) + branches 20, 21
-    tree = p.propose([step(tokens, topk=topk_rows(ids))])[0]
+    tree = propose(p, [step(tokens, topk=topk_rows(ids))])[0]
     tree.validate()
     assert tree.tokens[:4] == [2, 3, 4, 20]  # copy after the anchor
     # branches 20 -> successor 6 (pos 5 -> 6), 21 -> successor 1 (pos 7 -> 8)
@@ -292,7 +293,7 @@ def test_proposer_semantic_fallback_draft_and_stats():
     p = AdaPLDProposer(cfg, make_ctx(8, embed=emb))
     tokens = [3, 7, 4, 8, 1]  # query 1 is new; 7 is its embedding neighbour
     ids = [[0, 0], [40, 41], [0, 0], [0, 0]]
-    tree = p.propose([step(tokens, topk=topk_rows(ids))])[0]
+    tree = propose(p, [step(tokens, topk=topk_rows(ids))])[0]
     # no main copy from a semantic anchor: the branches are the anchor's top-k
     assert sorted(tree.tokens) == [40, 41] and all(q == -1 for q in tree.parents)
     s = p.stats()
@@ -300,7 +301,7 @@ def test_proposer_semantic_fallback_draft_and_stats():
     assert s["semantic_recovery"] == 1.0
     # the target accepted 41 then sampled 9: the fallback draft recovered
     nxt = tokens + [41, 9]
-    p.propose([step(nxt, verified_pos=4, topk=topk_rows([[0, 0]] * 2))])
+    propose(p, [step(nxt, verified_pos=4, topk=topk_rows([[0, 0]] * 2))])
     s = p.stats()
     assert s["verified_semantic"] == 1 and s["accepted_any_semantic"] == 1
     assert s["fallback_recovery_rate"] == 1.0 and s["accepted_branch"] == 1
@@ -309,26 +310,26 @@ def test_proposer_semantic_fallback_draft_and_stats():
 def test_proposer_no_hit_and_threshold():
     emb = embeddings(similar=[(1, 7, 0.2)])
     p = AdaPLDProposer(AdaPLDConfig(similarity_threshold=0.5), make_ctx(16, embed=emb))
-    assert p.propose([step([3, 7, 4, 8, 1])]) == [None]
+    assert propose(p, [step([3, 7, 4, 8, 1])]) == [None]
     s = p.stats()
     assert (s["no_hits"], s["fallback_fires"], s["no_hit_rate"]) == (1, 1, 1.0)
     q = AdaPLDProposer(AdaPLDConfig(semantic_fallback=False), make_ctx(16))
-    assert q.propose([step([3, 7, 4, 8, 1])]) == [None]
+    assert propose(q, [step([3, 7, 4, 8, 1])]) == [None]
     assert q.stats()["fallback_fires"] == 0
 
 
 def test_proposer_feedback_counts_main_and_mismatch():
     p = AdaPLDProposer(AdaPLDConfig(branch_width=0, max_copy_len=4), make_ctx(8))
     tokens = [5, 1, 2, 3, 4, 9, 1]
-    tree = p.propose([step(tokens)])[0]
+    tree = propose(p, [step(tokens)])[0]
     assert tree.tokens == [2, 3, 4, 9]
-    p.propose([step(tokens + [2, 3, 7], verified_pos=6)])  # 2 accepted, then 7
+    propose(p, [step(tokens + [2, 3, 7], verified_pos=6)])  # 2 accepted, then 7
     s = p.stats()
     assert s["accepted_tokens_lexical"] == 2 and s["accepted_main"] == 1
-    p.propose([step(tokens + [2, 3, 7, 8], verified_pos=9)])  # draft after 7: none
+    propose(p, [step(tokens + [2, 3, 7, 8], verified_pos=9)])  # draft after 7: none
     assert p.stats()["mismatch"] == 0  # no draft was pending (7 never occurred)
-    p.propose([step(tokens + [2, 3, 7, 8, 2, 5], verified_pos=10)])
-    p.propose([step(tokens + [2, 3, 7, 8, 2, 5, 6], verified_pos=12)])
+    propose(p, [step(tokens + [2, 3, 7, 8, 2, 5], verified_pos=10)])
+    propose(p, [step(tokens + [2, 3, 7, 8, 2, 5, 6], verified_pos=12)])
     assert p.stats()["mismatch"] == 1
 
 
@@ -337,13 +338,13 @@ def test_proposer_respects_budget_max_model_len_and_chain_only():
     ids = [[40 + i % 5, 50, 51, 52] for i in range(39)]
     ctx = make_ctx(10)
     p = AdaPLDProposer(AdaPLDConfig(branch_width=4, successor_drafting=False), ctx)
-    tree = p.propose([step(tokens, topk=topk_rows(ids))])[0]
+    tree = propose(p, [step(tokens, topk=topk_rows(ids))])[0]
     assert len(tree) == 10 and tree.tokens[:6] == [2, 3, 4, 5, 6, 7]
-    ctx = make_ctx(10, max_len=len(tokens) + 3)
+    ctx = make_ctx(10, max_len=len(tokens) + 4)  # 3 drafts + the bonus token
     p = AdaPLDProposer(AdaPLDConfig(branch_width=4, successor_drafting=False), ctx)
-    assert len(p.propose([step(tokens, topk=topk_rows(ids))])[0]) == 3
+    assert len(propose(p, [step(tokens, topk=topk_rows(ids))])[0]) == 3
     p = AdaPLDProposer(AdaPLDConfig(branch_width=4), make_ctx(16))
-    tree = p.propose([step(tokens, topk=topk_rows(ids), chain_only=True)])[0]
+    tree = propose(p, [step(tokens, topk=topk_rows(ids), chain_only=True)])[0]
     assert tree.is_chain() and tree.tokens[:3] == [2, 3, 4] and len(tree) == 8
 
 
@@ -351,10 +352,10 @@ def test_proposer_unsampled_chunk_builds_memory_only():
     p = AdaPLDProposer(AdaPLDConfig(branch_width=0, max_copy_len=3), make_ctx(8))
     toks = np.array([5, 1, 2, 3, 4, 1, 9, 9])
     first = StepRequest("r", toks[:4], 8, False, 0, layer_hidden=torch.ones(4, H))
-    assert p.propose([first]) == [None]
+    assert propose(p, [first]) == [None]
     assert p.stats()["retrieval_attempts"] == 0
     second = step(toks[:7].tolist() + [1], verified_pos=4)
-    assert p.propose([second])[0].tokens == [2, 3, 4]
+    assert propose(p, [second])[0].tokens == [2, 3, 4]
 
 
 def test_memory_freed_after_200_add_remove_cycles():
@@ -367,7 +368,7 @@ def test_memory_freed_after_200_add_remove_cycles():
     def cycle(i):
         rid = f"q{i}"
         p.add_request(rid)
-        p.propose([step(tokens, hidden=hidden, topk=topk, req_id=rid)])
+        propose(p, [step(tokens, hidden=hidden, topk=topk, req_id=rid)])
         assert rid in p.memories and len(p._vocabs[rid]) > 0
         p.remove_request(rid)
 
@@ -423,9 +424,9 @@ def test_semantic_fallback_finds_tokens_generated_later():
     emb = embeddings(similar=[(1, 7, 0.9)])
     p = AdaPLDProposer(AdaPLDConfig(branch_width=2, similarity_threshold=0.5),
                        make_ctx(8, embed=emb))
-    assert p.propose([step([3, 4, 5, 6])]) == [None]  # nothing similar yet
+    assert propose(p, [step([3, 4, 5, 6])]) == [None]  # nothing similar yet
     tokens = [3, 4, 5, 6, 7, 9, 1]  # 7 arrives, then the query 1
-    tree = p.propose([step(tokens, verified_pos=3,
+    tree = propose(p, [step(tokens, verified_pos=3,
                            topk=topk_rows([[0, 0], [30, 31], [0, 0]]))])[0]
     assert sorted(tree.tokens) == [30, 31]
     assert p.stats()["semantic_hits"] == 1

@@ -18,6 +18,7 @@ from vllm_specplug.datastore import dense
 from vllm_specplug.datastore.dense import DatastoreError
 from vllm_specplug.engine.interface import Needs, ProposerContext, StepRequest
 from vllm_specplug.methods.dresd import DReSDConfig, DReSDProposer
+from tests.methods.budget import propose
 
 WORDS = ("one two three four five six seven eight nine ten river dog cat tree leaf "
          "draft target sample branch verify").split()
@@ -106,7 +107,7 @@ def test_needs_and_shapes(store, model_path):
 def test_greedy_draft_follows_the_corpus(store, model_path):
     p = _proposer(store, model_path)
     doc, t = 3, 10
-    (tree,) = p.propose([_req(store, doc, t)])
+    (tree,) = propose(p, [_req(store, doc, t)])
     tree.validate()
     assert 1 <= len(tree) <= 64
     truth = store["ids"][doc][t + 2 : t + 2 + 20]
@@ -129,12 +130,12 @@ def test_mismatching_first_tokens_are_dropped(store, model_path):
     firsts = set(vals[:, 0].tolist())
     # A sampled token that starts no stored value: every neighbour is dropped.
     absent = next(x for x in range(3, 512) if x not in firsts)
-    (tree,) = p.propose([_req(store, doc, t, last=absent)])
+    (tree,) = propose(p, [_req(store, doc, t, last=absent)])
     assert tree is None
     assert p.stats()["dropped_first_token"] == 32 and p.stats()["empty"] == 1
     # A different token that does start some values: only those survive.
     other = next(x for x in sorted(firsts) if x != true_next)
-    (tree,) = p.propose([_req(store, doc, t, last=other)])
+    (tree,) = propose(p, [_req(store, doc, t, last=other)])
     allowed = _allowed(store, other)
     if tree is not None:
         tree.validate()
@@ -142,7 +143,7 @@ def test_mismatching_first_tokens_are_dropped(store, model_path):
             assert any(a[: len(path)] == tuple(path) for a in allowed)
     # Stripped: no path starts with the filter token itself unless the corpus
     # repeats it.
-    (tree,) = p.propose([_req(store, doc, t)])
+    (tree,) = propose(p, [_req(store, doc, t)])
     assert tree.tokens[0] == store["ids"][doc][t + 2]
 
 
@@ -157,7 +158,7 @@ def test_batch_sampling_shape_budget_and_edge_cases(store, model_path):
         _req(store, 6, 12, rid="f", temperature=0.8),
     ]
     reqs[-1].hidden = reqs[-1].hidden.to(torch.bfloat16)  # runner dtype may differ
-    out = p.propose(reqs)
+    out = propose(p, reqs)
     assert len(out) == 6 and out[3] is None and out[4] is None
     for tree in (out[0], out[1], out[2], out[5]):
         assert tree is not None
@@ -170,7 +171,7 @@ def test_batch_sampling_shape_budget_and_edge_cases(store, model_path):
     assert p.stats()["no_hidden"] == 1
     # No room left before max_model_len: no query, no draft.
     p2 = _proposer(store, model_path, ctx_kw={"max_model_len": 12})
-    assert p2.propose([_req(store, 1, 10)]) == [None]
+    assert propose(p2, [_req(store, 1, 10)]) == [None]
     assert p2.stats()["query"]["n"] == 0
 
 
@@ -179,7 +180,7 @@ def test_min_similarity_filters(store, model_path):
     rng = np.random.default_rng(0)
     req = _req(store, 0, 5)
     req.hidden = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32))
-    assert p.propose([req]) == [None]
+    assert propose(p, [req]) == [None]
     assert p.stats()["dropped_similarity"] > 0
 
 

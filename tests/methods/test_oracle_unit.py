@@ -10,6 +10,7 @@ import torch
 
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
 from vllm_specplug.methods.oracle import OracleConfig, OracleProposer, _accepted_depth, _random_tree
+from tests.methods.budget import propose
 
 
 def test_nothing_hangs_below_the_end_of_a_short_truth():
@@ -40,7 +41,7 @@ def test_counts_only_the_verified_prefix(tmp_path):
     def step(n, kept):
         req = StepRequest(req_id="r", token_ids=np.arange(1, n + 1), num_prompt_tokens=2,
                           sampled=True, verified_pos=n - 1, draft_kept=kept)
-        return prop.propose([req])[0]
+        return propose(prop, [req])[0]
 
     tree = step(2, 0)
     assert prop.drafts == 0  # proposed, not yet verified
@@ -49,3 +50,4 @@ def test_counts_only_the_verified_prefix(tmp_path):
     assert prop.expected_accepted == _accepted_depth(tree.truncated(1), [3, 4, 5, 6, 7, 8])
     step(4, 0)  # nothing verified (e.g. preempted and resumed)
     assert prop.drafts == 1
+

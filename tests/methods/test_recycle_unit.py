@@ -11,6 +11,7 @@ from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.engine.adjacency import AdjacencyTable
 from vllm_specplug.engine.interface import Needs, ProposerContext, StepRequest
 from vllm_specplug.methods.recycle import RecycleConfig, RecycleProposer
+from tests.methods.budget import propose
 
 VOCAB, K = 100, 8
 PERIOD = [5, 9, 3, 7, 11, 2, 40, 41, 42, 43, 44]  # distinct tokens: one successor each
@@ -100,7 +101,7 @@ def test_repeated_sequence_is_reproduced_as_first_path():
         req_id="a", token_ids=np.array(seq, dtype=np.int64), num_prompt_tokens=len(seq) - 1,
         sampled=True, verified_pos=0, topk_ids=_oracle_topk(seq)[:-1],
     )
-    (tree,) = p.propose([req])
+    (tree,) = propose(p, [req])
     tree.validate()
     assert len(tree) <= 30
     start = PERIOD.index(seq[-1]) + 1
@@ -112,7 +113,7 @@ def test_repeated_sequence_is_reproduced_as_first_path():
 
 def test_unsampled_chunk_learns_but_does_not_draft():
     p = _proposer()
-    (out,) = p.propose([_prefill("a", PERIOD, sampled=False)])
+    (out,) = propose(p, [_prefill("a", PERIOD, sampled=False)])
     assert out is None
     assert p.table.table[5, 0].item() == 9 and p.table.num_filled() == len(PERIOD)
 
@@ -120,7 +121,7 @@ def test_unsampled_chunk_learns_but_does_not_draft():
 def test_cold_table_gives_no_draft():
     p = _proposer()
     req = StepRequest("a", np.array([1, 2, 3]), 3, True, 0)
-    assert p.propose([req]) == [None]
+    assert propose(p, [req]) == [None]
 
 
 def test_decode_step_learns_from_every_tree_node():
@@ -139,7 +140,7 @@ def test_decode_step_learns_from_every_tree_node():
         verified_pos=2, topk_ids=node_topk[:2],
         node_tokens=tree_tokens, node_topk_ids=node_topk,
     )
-    (tree,) = p.propose([req])
+    (tree,) = propose(p, [req])
     assert p.table.table[50, 0].item() == 8  # a rejected node still taught us
     assert p.table.table[4, 0].item() == 3
     # Token 3 was verified twice; the accepted path's row (the real context)
@@ -158,7 +159,7 @@ def test_prefill_rows_given_twice_are_learned_once():
         "a", np.array(seq), len(seq), False, 0, topk_ids=topk,
         node_tokens=torch.tensor(seq), node_topk_ids=topk,
     )
-    p.propose([req])
+    propose(p, [req])
     assert p.table.table[5, 0].item() == 9 and p.table.num_filled() == len(seq)
     assert p._rows(req)[0][0].tolist() == seq and len(p._rows(req)[0]) == 1
 
@@ -167,13 +168,14 @@ def test_budget_max_model_len_and_chain_only():
     p = RecycleProposer(RecycleConfig(), _ctx(n_spec=5, max_model_len=40))
     seq = PERIOD * 3  # 33 tokens, 7 left before max_model_len
     learn = StepRequest("a", np.array(seq), len(seq), False, 0, topk_ids=_oracle_topk(seq))
-    p.propose([learn])
+    propose(p, [learn])
     tail = np.array(seq[:-1] + [5], dtype=np.int64)
     req = StepRequest("b", tail, len(tail) - 1, True, len(tail))
     chain = StepRequest("c", tail, len(tail) - 1, True, len(tail), chain_only=True)
-    full = StepRequest("d", np.array(seq * 2)[:39], 39, True, 39)  # 1 slot left
-    done = StepRequest("e", np.array(seq * 2)[:40], 40, True, 40)  # none left
-    t_req, t_chain, t_full, t_done = p.propose([req, chain, full, done])
+    # 38 tokens: one draft node plus the bonus token still fit in 40.
+    full = StepRequest("d", np.array(seq * 2)[:38], 38, True, 38)
+    done = StepRequest("e", np.array(seq * 2)[:39], 39, True, 39)  # none left
+    t_req, t_chain, t_full, t_done = propose(p, [req, chain, full, done])
     assert len(t_req) == 5 and not t_req.is_chain()
     assert t_chain.is_chain() and t_chain.tokens == [9, 3, 7, 11, 2]
     assert len(t_full) == 1 and t_done is None
@@ -184,8 +186,8 @@ def test_shared_table_crosses_requests_per_request_tables_do_not():
         p = _proposer(per_request_tables=isolated)
         p.add_request("a")
         p.add_request("b")
-        p.propose([_prefill("a", PERIOD, sampled=False)])
-        (tree_b,) = p.propose([StepRequest("b", np.array([9]), 1, True, 0)])
+        propose(p, [_prefill("a", PERIOD, sampled=False)])
+        (tree_b,) = propose(p, [StepRequest("b", np.array([9]), 1, True, 0)])
         if isolated:
             assert tree_b is None and p.table.num_filled() == 0
         else:
@@ -202,7 +204,7 @@ def test_warm_start_from_file(tmp_path):
     warm.save(path)
     p = _proposer(table_path=path, topk=4)
     assert p.table.k == 4 and p.table.table[9, 0].item() == 3
-    (tree,) = p.propose([StepRequest("a", np.array([9]), 1, True, 0)])
+    (tree,) = propose(p, [StepRequest("a", np.array([9]), 1, True, 0)])
     assert tree.tokens[0] == 3
     AdjacencyTable(VOCAB + 1, 8).save(path)
     with pytest.raises(SpecplugConfigError, match=r"\['table_path'\].*101.*100"):
@@ -225,7 +227,7 @@ def test_stats_report_table_size_and_step_costs():
                       sampled=True, verified_pos=2)
     req.topk_ids = torch.tensor([[4, 5, 6, 7]])
     req.topk_probs = torch.full((1, 4), 0.25)
-    prop.propose([req])
+    propose(prop, [req])
     st = prop.stats()
     assert st["table_bytes"] == 50 * 4 * 4 and st["tables"] == 1 and st["filled_rows"] == 1
     assert st["update"]["n"] == 1 and st["expand"]["n"] == 1 and st["expand"]["mean_ms"] >= 0

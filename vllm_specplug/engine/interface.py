@@ -85,10 +85,32 @@ class StepRequest:
     """Nodes of this request's previous tree that this step verified: its
     first ``draft_kept`` nodes (the runner's budget and vLLM's scheduler
     may keep only a prefix; 0 when nothing was verified)."""
+    budget: int = 0
+    """Most draft nodes the next step can verify for this request, computed
+    once by the runner (``draft_budget``): ``num_speculative_tokens``, cut
+    by what the scheduler will schedule and by what ``max_model_len``
+    leaves; 0 when nothing was sampled. Draft nothing when it is 0; a
+    bigger tree is cut to its first ``budget`` nodes."""
 
     @property
     def last_token(self) -> int:
         return int(self.token_ids[-1])
+
+
+def draft_budget(num_speculative_tokens: int, num_spec_to_schedule: int,
+                 max_model_len: int, num_tokens: int, sampled: bool) -> int:
+    """``StepRequest.budget``: draft nodes one step can verify.
+
+    ``num_spec_to_schedule`` is vLLM's per-step cap (0: none). Verifying
+    ``n`` nodes appends up to ``n + 1`` tokens (the accepted path plus the
+    bonus token), so ``n <= max_model_len - num_tokens - 1``.
+    """
+    if not sampled:
+        return 0
+    budget = num_speculative_tokens
+    if num_spec_to_schedule:
+        budget = min(budget, num_spec_to_schedule)
+    return max(0, min(budget, max_model_len - num_tokens - 1))
 
 
 @dataclass

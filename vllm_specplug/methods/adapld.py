@@ -708,8 +708,7 @@ class AdaPLDProposer(Proposer):
 
     def _draft(self, req: StepRequest, mem: ContextMemory) -> DraftTree | None:
         cfg: AdaPLDConfig = self.config
-        room = min(self.ctx.num_speculative_tokens,
-                   self.ctx.max_model_len - len(req.token_ids))
+        room = req.budget
         qslot = mem.n - 1  # the last token (the tail always holds it)
         if room <= 0 or qslot < 1:
             return None

@@ -122,13 +122,10 @@ class DReSDProposer(Proposer):
         rows: list[int] = []
         hidden: list[np.ndarray] = []
         for i, req in enumerate(batch):
-            if not req.sampled:
+            if req.budget <= 0:
                 continue
             if req.hidden is None or req.hidden.shape[0] == 0:
                 self._counts["no_hidden"] += 1
-                continue
-            if min(self.ctx.num_speculative_tokens,
-                   self.ctx.max_model_len - len(req.token_ids)) <= 0:
                 continue
             # Last row = state after reading the last accepted input token,
             # i.e. the one whose logits produced token_ids[-1].
@@ -150,7 +147,7 @@ class DReSDProposer(Proposer):
     def _tree(self, req: StepRequest, seqs: np.ndarray, scores: np.ndarray) -> DraftTree | None:
         c = self._counts
         num_drafts, draft_len = self.shape_for(req)
-        room = min(self.ctx.num_speculative_tokens, self.ctx.max_model_len - len(req.token_ids))
+        room = req.budget
         last = req.last_token
         drafts: list[np.ndarray] = []
         seen: set[bytes] = set()

@@ -94,23 +94,21 @@ class OracleProposer(Proposer):
         out: list[DraftTree | None] = []
         for req in batch:
             self._confirm(req)
+            if req.budget <= 0:
+                out.append(None)
+                continue
+            size = min(cfg.tree_size or req.budget, req.budget)
             if cfg.mode == "noise":
-                size = min(cfg.tree_size or self.ctx.num_speculative_tokens,
-                           self.ctx.num_speculative_tokens)
                 rng = random.Random(hash((cfg.seed, req.req_id, len(req.token_ids))))
-                out.append(_random_tree(rng, [], size, 0, self.ctx.vocab_size, True)
-                           if req.sampled else None)
+                out.append(_random_tree(rng, [], size, 0, self.ctx.vocab_size, True))
                 continue
             if cfg.mode == "trie":
-                tree = self._trie(req.token_ids.tolist(), self.ctx.num_speculative_tokens)
-                out.append(tree if req.sampled else None)
+                out.append(self._trie(req.token_ids.tolist(), req.budget))
                 continue
-            truth = self._continuation(req.token_ids.tolist()) if req.sampled else None
+            truth = self._continuation(req.token_ids.tolist())
             if not truth:
                 out.append(None)
                 continue
-            size = min(cfg.tree_size or self.ctx.num_speculative_tokens,
-                       self.ctx.num_speculative_tokens)
             rng = random.Random(hash((cfg.seed, req.req_id, len(req.token_ids))))
             tree = _random_tree(rng, truth, size, cfg.max_depth, self.ctx.vocab_size,
                                 cfg.shuffle)

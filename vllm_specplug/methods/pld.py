@@ -46,19 +46,18 @@ class PLDProposer(Proposer):
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         cfg: PLDConfig = self.config
-        budget = self.ctx.num_speculative_tokens
         out: list[DraftTree | None] = []
         for req in batch:
-            if not req.sampled:
+            room = req.budget
+            if room <= 0:
                 out.append(None)
                 continue
-            room = min(budget, self.ctx.max_model_len - len(req.token_ids))
             branches = 1 if req.chain_only else cfg.tree_branches
             conts = continuations(
                 req.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                 room, branches,
             )
-            if room <= 0 or not conts:
+            if not conts:
                 out.append(None)
                 continue
             if len(conts) == 1:

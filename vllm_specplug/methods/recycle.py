@@ -154,13 +154,7 @@ class RecycleProposer(Proposer):
         t0 = time.perf_counter()
         self._learn(batch)
         self._update_time.add(time.perf_counter() - t0)
-        budget = self.ctx.num_speculative_tokens
-        rooms = {
-            i: min(budget, self.ctx.max_model_len - len(req.token_ids))
-            for i, req in enumerate(batch)
-            if req.sampled
-        }
-        live = [i for i, room in rooms.items() if room > 0]
+        live = [i for i, req in enumerate(batch) if req.budget > 0]
         out: list[DraftTree | None] = [None] * len(batch)
         if not live:
             return out
@@ -169,12 +163,12 @@ class RecycleProposer(Proposer):
         self._expand_time.add(time.perf_counter() - t0)
         for i, row in zip(live, rows):
             if batch[i].chain_only:
-                tree = DraftTree.chain(self.template.chain_tokens(row, rooms[i]))
+                tree = DraftTree.chain(self.template.chain_tokens(row, batch[i].budget))
             else:
                 # The whole template is expanded and dead nodes dropped before
                 # cutting, so later template nodes fill slots whose branch
                 # had no table entry.
-                tree = self.template.to_draft_tree(row, rooms[i])
+                tree = self.template.to_draft_tree(row, batch[i].budget)
             out[i] = tree if len(tree) else None
         return out
 

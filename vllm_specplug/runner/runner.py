@@ -36,7 +36,7 @@ from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
-from vllm_specplug.engine.interface import ProposerContext, StepRequest
+from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_budget
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
 from vllm_specplug.engine.verify import choose_paths, draft_probs_tensor
@@ -431,9 +431,6 @@ class SpecplugRunnerMixin:
         t0 = time.perf_counter()
         needs = self._sp_needs
         qsl = self.query_start_loc.np
-        budget = self.speculative_config.num_speculative_tokens
-        if scheduler_output.num_spec_tokens_to_schedule:
-            budget = min(budget, scheduler_output.num_spec_tokens_to_schedule)
         batch: list[StepRequest] = []
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         for i, rid in enumerate(self.input_batch.req_ids):
@@ -446,15 +443,20 @@ class SpecplugRunnerMixin:
             rows = torch.as_tensor(qsl[i] + np.asarray(rel), device=hidden_states.device)
             req = self.requests.get(rid)
             sp = req.sampling_params if req is not None else None
+            sampled = len(sampled_token_ids[i]) > 0
             sreq = StepRequest(
                 req_id=rid,
                 token_ids=self.input_batch.token_ids_cpu[i, :ntok],
                 num_prompt_tokens=n_prompt,
-                sampled=len(sampled_token_ids[i]) > 0,
+                sampled=sampled,
                 verified_pos=c,
                 temperature=float(sp.temperature) if sp is not None else 0.0,
                 chain_only=_chain_only(sp),
                 draft_kept=_num_real(scheduled.get(rid, ())),
+                budget=draft_budget(
+                    self.speculative_config.num_speculative_tokens,
+                    scheduler_output.num_spec_tokens_to_schedule,
+                    self.max_model_len, ntok, sampled),
             )
             if needs.hidden:
                 sreq.hidden = hidden_states[rows]
@@ -468,12 +470,11 @@ class SpecplugRunnerMixin:
         t2 = time.perf_counter()
         drafts: list[list[int]] = []
         for sreq, tree in zip(batch, trees):
-            room = min(budget, self.max_model_len - len(sreq.token_ids) - 1)
-            if tree is None or room <= 0 or not sreq.sampled:
+            if tree is None or sreq.budget <= 0:
                 self._sp_trees.pop(sreq.req_id, None)
                 drafts.append([])
                 continue
-            tree = normalize_tree(tree, room)
+            tree = normalize_tree(tree, sreq.budget)
             if sreq.chain_only and not tree.is_chain():
                 tree = tree.first_path()
             self._sp_trees[sreq.req_id] = tree
