@@ -85,33 +85,19 @@ def _specplug_stats(llm) -> dict | None:
         return None
 
 
-def _method_delta(before: dict, after: dict, method: str | None) -> dict:
-    """A proposer's own stats over one suite: integer counters as differences,
-    rates recomputed from those differences when the proposer says how
-    (``rates(counters)``), everything else (gauges, latency summaries) as of
-    the end of the suite. Subtracting two rates would be meaningless."""
-    out = {}
-    for key, value in after.items():
-        prev = before.get(key)
-        if (isinstance(value, int) and not isinstance(value, bool)
-                and isinstance(prev, int) and key not in _GAUGES):
-            out[key] = value - prev
-        elif not isinstance(value, float):
-            out[key] = value
+def _method_delta(before: dict, after: dict, counters: list[str],
+                  method: str | None) -> dict:
+    """A proposer's own stats over one suite: the counters it declares
+    (``ProposerStats.counters``) as differences, its rates recomputed from
+    those differences (``Proposer.rates``), everything else (gauges,
+    latency summaries) as of the end of the suite. Subtracting two rates
+    would be meaningless."""
+    out = {k: after[k] - before.get(k, 0) if k in counters else after[k] for k in after}
     from vllm_specplug import registry
 
-    rates = (getattr(registry.get(method), "rates", None)
-             if registry.is_registered(method) else None)
-    if rates is not None:
-        try:
-            out.update(rates(out))
-        except (KeyError, TypeError, ZeroDivisionError):
-            pass
+    if registry.is_registered(method):
+        out.update(registry.get(method).rates({k: out[k] for k in counters if k in out}))
     return out
-
-
-# proposer stats that are levels, not running counts
-_GAUGES = {"live_memories", "memory_bytes", "table_bytes", "tables", "filled_rows"}
 
 
 def _stats_delta(before: dict | None, after: dict | None,
@@ -124,7 +110,7 @@ def _stats_delta(before: dict | None, after: dict | None,
         if isinstance(value, bool) or key.startswith("mean_"):
             continue
         if key == "method" and isinstance(value, dict) and isinstance(prev, dict):
-            out[key] = _method_delta(prev, value, method)
+            out[key] = _method_delta(prev, value, after.get("method_counters", []), method)
         elif isinstance(value, (int, float)) and isinstance(prev, (int, float)):
             out[key] = value - prev
         elif isinstance(value, dict) and isinstance(prev, dict) and all(

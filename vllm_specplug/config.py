@@ -32,6 +32,11 @@ class MethodConfig(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
 
+    def check_against(self, num_speculative_tokens: int) -> None:
+        """Checks across options and ``num_speculative_tokens`` that field
+        validators cannot make; raise ``SpecplugConfigError`` (one line,
+        naming the key). Runs at start-up, before the engine is built."""
+
 
 def _vllm_spec_fields() -> set[str]:
     from vllm.config import SpeculativeConfig
@@ -84,7 +89,5 @@ def split_speculative_config(raw: dict[str, Any]) -> tuple[str, MethodConfig, di
             f"speculative_config['num_speculative_tokens']: must be a positive "
             f"integer (got {n!r})"
         )
-    check = getattr(config, "check_against", None)
-    if check is not None:
-        check(n)
+    config.check_against(n)
     return method, config, theirs

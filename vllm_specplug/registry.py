@@ -1,5 +1,8 @@
 """The specplug method registry (SGLang-style: name -> implementation).
 
+The built-in methods are the fixed table below; a third-party method calls
+``register``. Each entry's class declares the same ``name``.
+
 Entries are import paths, not classes, so that loading the plugin in a vLLM
 process that does not use specplug costs one dict and no heavy imports
 (ScaNN, the EAGLE head, ...).
@@ -44,8 +47,11 @@ def get(name: str) -> type[Proposer]:
         raise ValueError(
             f"unknown specplug method '{name}' (known: {', '.join(names())})"
         ) from None
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    module, _, attr = target.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if cls.name != name:
+        raise ValueError(f"specplug method '{name}' -> {target}, whose name is '{cls.name}'")
+    return cls
 
 
 # Names vLLM 0.32 owns; a plugin method may not shadow them.

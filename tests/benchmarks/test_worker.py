@@ -4,14 +4,17 @@ from benchmarks.worker import _stats_delta
 
 
 def _adapld_stats(attempts, lexical, semantic, mem):
+    from vllm_specplug.engine.interface import ProposerStats
     from vllm_specplug.methods.adapld import AdaPLDProposer, _COUNTERS
 
     c = dict.fromkeys(_COUNTERS, 0)
     c.update(retrieval_attempts=attempts, lexical_hits=lexical, semantic_hits=semantic,
              no_hits=attempts - lexical - semantic)
+    own = ProposerStats(counters=c, gauges={"memory_bytes": mem, "live_memories": 1})
+    # What the runner's specplug_stats() returns for it (Proposer.report).
+    flat = {**own.counters, **own.gauges, **AdaPLDProposer.rates(own.counters)}
     return {"drafts": attempts, "accepted_tokens": lexical,
-            "method": {**c, "memory_bytes": mem, "live_memories": 1,
-                       **AdaPLDProposer.rates(c)}}
+            "method": flat, "method_counters": sorted(c)}
 
 
 def test_method_rates_are_recomputed_from_counter_differences():
@@ -26,8 +29,8 @@ def test_method_rates_are_recomputed_from_counter_differences():
     assert d["mean_accepted_length"] == 1 + 20 / 200
 
 
-def test_unknown_method_keeps_levels_and_drops_float_differences():
-    before = {"method": {"n": 1, "rate": 0.5, "query": {"n": 3}}}
-    after = {"method": {"n": 4, "rate": 0.7, "query": {"n": 9}}}
+def test_declared_counters_are_subtracted_everything_else_kept():
+    before = {"method": {"n": 1, "size": 7, "query": {"n": 3}}, "method_counters": ["n"]}
+    after = {"method": {"n": 4, "size": 5, "query": {"n": 9}}, "method_counters": ["n"]}
     m = _stats_delta(before, after, "ngram")["method"]
-    assert m == {"n": 3, "query": {"n": 9}}
+    assert m == {"n": 3, "size": 5, "query": {"n": 9}}

@@ -282,7 +282,7 @@ def test_proposer_lexical_hit_main_branches_successors():
     # branches 20 -> successor 6 (pos 5 -> 6), 21 -> successor 1 (pos 7 -> 8)
     paths = {tuple(tree.tokens[i] for i in tree.path_to(n)) for n in range(len(tree))}
     assert {(20,), (20, 6), (21,), (21, 1)} <= paths
-    s = p.stats()
+    s = p.report()
     assert s["lexical_hits"] == 1 and s["drafts_lexical"] == 1 and s["lexical_hit_rate"] == 1
     assert s["successor_lexical"] == 2
 
@@ -296,13 +296,13 @@ def test_proposer_semantic_fallback_draft_and_stats():
     tree = propose(p, [step(tokens, topk=topk_rows(ids))])[0]
     # no main copy from a semantic anchor: the branches are the anchor's top-k
     assert sorted(tree.tokens) == [40, 41] and all(q == -1 for q in tree.parents)
-    s = p.stats()
+    s = p.report()
     assert (s["fallback_fires"], s["semantic_hits"], s["drafts_semantic"]) == (1, 1, 1)
     assert s["semantic_recovery"] == 1.0
     # the target accepted 41 then sampled 9: the fallback draft recovered
     nxt = tokens + [41, 9]
     propose(p, [step(nxt, verified_pos=4, topk=topk_rows([[0, 0]] * 2))])
-    s = p.stats()
+    s = p.report()
     assert s["verified_semantic"] == 1 and s["accepted_any_semantic"] == 1
     assert s["fallback_recovery_rate"] == 1.0 and s["accepted_branch"] == 1
 
@@ -311,11 +311,11 @@ def test_proposer_no_hit_and_threshold():
     emb = embeddings(similar=[(1, 7, 0.2)])
     p = AdaPLDProposer(AdaPLDConfig(similarity_threshold=0.5), make_ctx(16, embed=emb))
     assert propose(p, [step([3, 7, 4, 8, 1])]) == [None]
-    s = p.stats()
+    s = p.report()
     assert (s["no_hits"], s["fallback_fires"], s["no_hit_rate"]) == (1, 1, 1.0)
     q = AdaPLDProposer(AdaPLDConfig(semantic_fallback=False), make_ctx(16))
     assert propose(q, [step([3, 7, 4, 8, 1])]) == [None]
-    assert q.stats()["fallback_fires"] == 0
+    assert q.report()["fallback_fires"] == 0
 
 
 def test_proposer_feedback_counts_main_and_mismatch():
@@ -324,13 +324,13 @@ def test_proposer_feedback_counts_main_and_mismatch():
     tree = propose(p, [step(tokens)])[0]
     assert tree.tokens == [2, 3, 4, 9]
     propose(p, [step(tokens + [2, 3, 7], verified_pos=6)])  # 2 accepted, then 7
-    s = p.stats()
+    s = p.report()
     assert s["accepted_tokens_lexical"] == 2 and s["accepted_main"] == 1
     propose(p, [step(tokens + [2, 3, 7, 8], verified_pos=9)])  # draft after 7: none
-    assert p.stats()["mismatch"] == 0  # no draft was pending (7 never occurred)
+    assert p.report()["mismatch"] == 0  # no draft was pending (7 never occurred)
     propose(p, [step(tokens + [2, 3, 7, 8, 2, 5], verified_pos=10)])
     propose(p, [step(tokens + [2, 3, 7, 8, 2, 5, 6], verified_pos=12)])
-    assert p.stats()["mismatch"] == 1
+    assert p.report()["mismatch"] == 1
 
 
 def test_proposer_respects_budget_max_model_len_and_chain_only():
@@ -353,7 +353,7 @@ def test_proposer_unsampled_chunk_builds_memory_only():
     toks = np.array([5, 1, 2, 3, 4, 1, 9, 9])
     first = StepRequest("r", toks[:4], 8, False, 0, layer_hidden=torch.ones(4, H))
     assert propose(p, [first]) == [None]
-    assert p.stats()["retrieval_attempts"] == 0
+    assert p.report()["retrieval_attempts"] == 0
     second = step(toks[:7].tolist() + [1], verified_pos=4)
     assert propose(p, [second])[0].tokens == [2, 3, 4]
 
@@ -385,7 +385,7 @@ def test_memory_freed_after_200_add_remove_cycles():
     finally:
         tracemalloc.stop()
     assert len(p.memories) == 0 and not p._pending and not p._vocabs
-    assert p.stats()["fallback_fires"] == 203
+    assert p.report()["fallback_fires"] == 203
     assert now - base < 64 * 1024
 
 
@@ -429,4 +429,4 @@ def test_semantic_fallback_finds_tokens_generated_later():
     tree = propose(p, [step(tokens, verified_pos=3,
                            topk=topk_rows([[0, 0], [30, 31], [0, 0]]))])[0]
     assert sorted(tree.tokens) == [30, 31]
-    assert p.stats()["semantic_hits"] == 1
+    assert p.report()["semantic_hits"] == 1

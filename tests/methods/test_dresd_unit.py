@@ -118,7 +118,7 @@ def test_greedy_draft_follows_the_corpus(store, model_path):
     allowed = _allowed(store, last)
     for path in _paths(tree):
         assert any(a[: len(path)] == tuple(path) for a in allowed)
-    s = p.stats()
+    s = p.report()
     assert s["query"]["n"] == 1 and s["query"]["mean_ms"] > 0 and s["queries"] == 1
 
 
@@ -132,7 +132,7 @@ def test_mismatching_first_tokens_are_dropped(store, model_path):
     absent = next(x for x in range(3, 512) if x not in firsts)
     (tree,) = propose(p, [_req(store, doc, t, last=absent)])
     assert tree is None
-    assert p.stats()["dropped_first_token"] == 32 and p.stats()["empty"] == 1
+    assert p.report()["dropped_first_token"] == 32 and p.report()["empty"] == 1
     # A different token that does start some values: only those survive.
     other = next(x for x in sorted(firsts) if x != true_next)
     (tree,) = propose(p, [_req(store, doc, t, last=other)])
@@ -167,12 +167,12 @@ def test_batch_sampling_shape_budget_and_edge_cases(store, model_path):
     assert out[2].is_chain()
     assert len(_paths(out[1])) <= 10
     assert max(tree.depths().max() for tree in (out[1], out[5])) <= 10  # 10 x 10 shape
-    assert p.stats()["query"]["n"] == 1  # one batched query per step
-    assert p.stats()["no_hidden"] == 1
+    assert p.report()["query"]["n"] == 1  # one batched query per step
+    assert p.report()["no_hidden"] == 1
     # No room left before max_model_len: no query, no draft.
     p2 = _proposer(store, model_path, ctx_kw={"max_model_len": 12})
     assert propose(p2, [_req(store, 1, 10)]) == [None]
-    assert p2.stats()["query"]["n"] == 0
+    assert p2.report()["query"]["n"] == 0
 
 
 def test_min_similarity_filters(store, model_path):
@@ -181,7 +181,7 @@ def test_min_similarity_filters(store, model_path):
     req = _req(store, 0, 5)
     req.hidden = torch.from_numpy(rng.standard_normal((1, 256)).astype(np.float32))
     assert propose(p, [req]) == [None]
-    assert p.stats()["dropped_similarity"] > 0
+    assert p.report()["dropped_similarity"] > 0
 
 
 def test_startup_checks(store, model_path, tmp_path):

@@ -222,12 +222,12 @@ def test_stats_report_table_size_and_step_costs():
                           max_model_len=64, device=torch.device("cpu"), dtype=torch.float32,
                           model_path="/models/m", tokenizer_path="/models/m")
     prop = RecycleProposer(RecycleConfig(topk=4), ctx)
-    assert prop.stats()["update"] == {"n": 0}
+    assert prop.report()["update"] == {"n": 0}
     req = StepRequest(req_id="a", token_ids=np.array([1, 2, 3]), num_prompt_tokens=2,
                       sampled=True, verified_pos=2)
     req.topk_ids = torch.tensor([[4, 5, 6, 7]])
     req.topk_probs = torch.full((1, 4), 0.25)
     propose(prop, [req])
-    st = prop.stats()
+    st = prop.report()
     assert st["table_bytes"] == 50 * 4 * 4 and st["tables"] == 1 and st["filled_rows"] == 1
     assert st["update"]["n"] == 1 and st["expand"]["n"] == 1 and st["expand"]["mean_ms"] >= 0

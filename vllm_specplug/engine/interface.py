@@ -9,7 +9,7 @@ how vLLM orders batch rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -131,11 +131,25 @@ class ProposerContext:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass
+class ProposerStats:
+    """What a method reports, split by how a reader combines two snapshots
+    (the benchmark's per-suite deltas, a metrics exporter)."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    """Running totals since start-up: a reader subtracts two snapshots."""
+    gauges: dict[str, Any] = field(default_factory=dict)
+    """Levels as of now (sizes, latency summaries): read as they are."""
+
+
 class Proposer:
     """Base class of every specplug method.
 
-    Subclasses set ``name`` and ``config_cls`` and register themselves with
-    ``vllm_specplug.registry.register``.
+    Subclasses set ``name`` (the ``speculative_config['method']`` value) and
+    ``config_cls``, implement ``propose`` and override only the hooks
+    declared here. ``vllm_specplug.registry`` lists the built-in methods by
+    import path; a third-party method is added with
+    ``registry.register(name, "package.module:Class")``.
     """
 
     name: ClassVar[str] = ""
@@ -155,6 +169,23 @@ class Proposer:
         """A request finished, was aborted or preempted: free its state."""
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
-        """One draft tree (or None) per request, at most
-        ``ctx.num_speculative_tokens`` nodes each."""
+        """One draft tree (or None) per request, at most ``req.budget``
+        nodes each (the runner cuts a bigger one)."""
         raise NotImplementedError
+
+    def stats(self) -> ProposerStats:
+        """The method's own counters and gauges (none by default)."""
+        return ProposerStats()
+
+    @classmethod
+    def rates(cls, counters: dict[str, int]) -> dict[str, float]:
+        """Ratios derived from ``stats().counters``; readers recompute them
+        from counter differences (e.g. over one benchmark suite), since the
+        difference of two ratios means nothing."""
+        return {}
+
+    def report(self, s: ProposerStats | None = None) -> dict[str, Any]:
+        """``stats()`` (or ``s``) flattened with its rates: what
+        ``specplug_stats()['method']`` shows (not meant to be overridden)."""
+        s = self.stats() if s is None else s
+        return {**s.counters, **s.gauges, **self.rates(s.counters)}

@@ -54,6 +54,7 @@ from vllm_specplug.engine.interface import (
     Needs,
     Proposer,
     ProposerContext,
+    ProposerStats,
     StepRequest,
 )
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder
@@ -786,19 +787,18 @@ class AdaPLDProposer(Proposer):
         else:
             c["mismatch"] += 1
 
-    def stats(self) -> dict[str, float]:
-        """Counters plus rates: the paper's Table 10 (lexical / semantic /
-        no-hit rates over retrieval attempts, semantic recovery = semantic
-        hits / lexical misses) and acceptance of the drafts one step later
+    def stats(self) -> ProposerStats:
+        """Retrieval and acceptance counters; the memory's size."""
+        return ProposerStats(counters=dict(self.counters), gauges={
+            "live_memories": len(self.memories), "memory_bytes": self.memories.nbytes})
+
+    @classmethod
+    def rates(cls, c: dict) -> dict[str, float]:
+        """The paper's Table 10 (lexical / semantic / no-hit rates over
+        retrieval attempts, semantic recovery = semantic hits / lexical
+        misses) and acceptance of the drafts one step later
         (``fallback_recovery_rate``: share of semantic-fallback drafts with
         at least one accepted token)."""
-        return {**self.counters, "live_memories": len(self.memories),
-                "memory_bytes": self.memories.nbytes, **self.rates(self.counters)}
-
-    @staticmethod
-    def rates(c: dict) -> dict[str, float]:
-        """The rates of :meth:`stats` from its counters (also from counter
-        differences, e.g. over one benchmark suite)."""
         attempts = c["retrieval_attempts"]
         misses = attempts - c["lexical_hits"]
         return {

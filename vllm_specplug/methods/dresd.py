@@ -29,6 +29,7 @@ from vllm_specplug.engine.interface import (
     Needs,
     Proposer,
     ProposerContext,
+    ProposerStats,
     StepRequest,
 )
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder
@@ -189,8 +190,9 @@ class DReSDProposer(Proposer):
         c["draft_tokens"] += len(tree)
         return tree
 
-    def stats(self) -> dict:
+    def stats(self) -> ProposerStats:
         """Query latency (per step, one batched ScaNN call) and draft counters."""
-        return {"query": self._query.as_ms(), **self._counts,
-                "store": {"path": self.store.path, "keys": len(self.store),
-                          "index": self.store.index["kind"]}}
+        return ProposerStats(counters=dict(self._counts), gauges={
+            "query": self._query.as_ms(),
+            "store": {"path": self.store.path, "keys": len(self.store),
+                      "index": self.store.index["kind"]}})

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from vllm_specplug.config import MethodConfig
-from vllm_specplug.engine.interface import Proposer, StepRequest
+from vllm_specplug.engine.interface import Proposer, ProposerStats, StepRequest
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder
 
 
@@ -118,8 +118,9 @@ class OracleProposer(Proposer):
             out.append(tree)
         return out
 
-    def stats(self) -> dict:
-        return {"expected_accepted": self.expected_accepted, "drafts": self.drafts}
+    def stats(self) -> ProposerStats:
+        return ProposerStats(counters={"expected_accepted": self.expected_accepted,
+                                       "drafts": self.drafts})
 
 
 def _accepted_depth(tree: DraftTree, truth: list[int]) -> int:

@@ -16,7 +16,13 @@ from pydantic import Field, field_validator
 
 from vllm_specplug.config import MethodConfig, SpecplugConfigError
 from vllm_specplug.engine.adjacency import AdjacencyTable
-from vllm_specplug.engine.interface import Needs, Proposer, ProposerContext, StepRequest
+from vllm_specplug.engine.interface import (
+    Needs,
+    Proposer,
+    ProposerContext,
+    ProposerStats,
+    StepRequest,
+)
 from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.template import TreeTemplate, parse_level_counts
 from vllm_specplug.engine.tree import DraftTree
@@ -172,10 +178,11 @@ class RecycleProposer(Proposer):
             out[i] = tree if len(tree) else None
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> ProposerStats:
         """Table size and the per-step cost of its two operations (the
         update covers every request of the step, the expansion every live one)."""
         tables = [self.table, *self._own.values()]
-        return {"table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
-                "filled_rows": self.table.num_filled(),
-                "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()}
+        return ProposerStats(gauges={
+            "table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
+            "filled_rows": self.table.num_filled(),
+            "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()})

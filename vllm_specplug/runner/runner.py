@@ -510,6 +510,9 @@ class SpecplugRunnerMixin:
     # --------------------------------------------------------------- stats
     def specplug_stats(self) -> dict[str, Any]:
         stats = self._sp_stats.as_dict()
-        if hasattr(self._sp_proposer, "stats"):
-            stats["method"] = self._sp_proposer.stats()
+        if self._sp_proposer is not None:
+            own = self._sp_proposer.stats()
+            stats["method"] = self._sp_proposer.report(own)
+            # Which of those are running totals (the rest are levels/rates).
+            stats["method_counters"] = sorted(own.counters)
         return stats
