@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
-from vllm_specplug.methods.oracle import OracleConfig, OracleProposer, _accepted_depth, _random_tree
+from vllm_specplug.methods.oracle import OracleConfig, OracleProposer, _random_tree
 from tests.methods.budget import propose
 
 
@@ -21,7 +21,7 @@ def test_nothing_hangs_below_the_end_of_a_short_truth():
     for seed in range(200):
         # Unshuffled, the true path is nodes 0..depth-1.
         tree = _random_tree(random.Random(seed), truth, 12, 6, 8, False)
-        depth = _accepted_depth(tree, truth)
+        depth = tree.follow(truth)[1]
         assert tree.tokens[:depth] == truth[:depth]
         if depth == len(truth):
             ends += 1
@@ -47,7 +47,7 @@ def test_counts_only_the_verified_prefix(tmp_path):
     assert prop.drafts == 0  # proposed, not yet verified
     step(3, 1)  # the scheduler kept one node
     assert prop.drafts == 1
-    assert prop.expected_accepted == _accepted_depth(tree.truncated(1), [3, 4, 5, 6, 7, 8])
+    assert prop.expected_accepted == tree.truncated(1).follow([3, 4, 5, 6, 7, 8])[1]
     step(4, 0)  # nothing verified (e.g. preempted and resumed)
     assert prop.drafts == 1
 

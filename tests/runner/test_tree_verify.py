@@ -47,3 +47,5 @@ def test_random_trees_lossless_with_exact_depth(tiny_model, reference, batch):
     # The oracle knows how deep each tree is right; the engine must agree.
     assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
     assert stats["drafts"] == stats["method"]["drafts"]
+    # Per-source counts (runner, from the kept trees): only true nodes accepted.
+    assert stats["source_accepted"] == {"truth": stats["accepted_tokens"]}

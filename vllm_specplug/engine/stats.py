@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_specplug.engine.tree import DraftTree
+
 
 @dataclass
 class TreeStats:
@@ -21,6 +23,21 @@ class TreeStats:
     collect_seconds: float = 0.0
     propose_seconds: float = 0.0
     propose_calls: int = 0
+    source_nodes: dict[str, int] = field(default_factory=dict)
+    """Verified draft nodes per ``DraftTree.sources`` name."""
+    source_accepted: dict[str, int] = field(default_factory=dict)
+    """Accepted draft tokens per source: which drafter earned them."""
+
+    def record_sources(self, tree: DraftTree, accepted) -> None:
+        """One verified tree with ``sources`` (the nodes the step kept) and
+        the tokens the target accepted after its root (bonus excluded)."""
+        for s in tree.sources:
+            self.source_nodes[s] = self.source_nodes.get(s, 0) + 1
+        node, _ = tree.follow(accepted)
+        while node >= 0:
+            s = tree.sources[node]
+            self.source_accepted[s] = self.source_accepted.get(s, 0) + 1
+            node = tree.parents[node]
 
     def _record(self, n_draft, accepted) -> None:
         self.steps += 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import heapq
+
 import numpy as np
 
 
@@ -49,7 +51,20 @@ class DraftTree:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def truncated(self, n: int) -> DraftTree:
-        return DraftTree(self.tokens[:n], self.parents[:n])
+        """The first ``n`` nodes (a prefix of a topological order is a tree)."""
+        return self.select(range(min(n, len(self))))
+
+    def select(self, nodes) -> DraftTree:
+        """The sub-tree of ``nodes``, in that order (each one's parent must
+        come before it, or be the root), metadata included."""
+        nodes = list(nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        return DraftTree(
+            [self.tokens[n] for n in nodes],
+            [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in nodes],
+            None if self.scores is None else [self.scores[n] for n in nodes],
+            None if self.sources is None else [self.sources[n] for n in nodes],
+        )
 
     def validate(self) -> None:
         for i, p in enumerate(self.parents):
@@ -86,6 +101,19 @@ class DraftTree:
             ch[p + 1].append(i)
         return ch
 
+    def follow(self, tokens) -> tuple[int, int]:
+        """Walk down from the root along ``tokens`` (e.g. what the target
+        accepted): the deepest node reached (-1: the root) and its depth,
+        i.e. how many of ``tokens`` the tree holds as a path."""
+        children = self.children()
+        node, depth = -1, 0
+        for tok in tokens:
+            nxt = next((c for c in children[node + 1] if self.tokens[c] == tok), None)
+            if nxt is None:
+                break
+            node, depth = nxt, depth + 1
+        return node, depth
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""
         path = []
@@ -97,46 +125,82 @@ class DraftTree:
     def first_path(self) -> DraftTree:
         """The chain that follows the first child at every level."""
         children = self.children()
-        toks, cur = [], -1
+        path, cur = [], -1
         while children[cur + 1]:
             cur = children[cur + 1][0]
-            toks.append(self.tokens[cur])
-        return DraftTree.chain(toks)
+            path.append(cur)
+        return self.select(path)
 
 
 def normalize_tree(tree: DraftTree, budget: int) -> DraftTree:
-    """Make a method's tree safe to verify: at most ``budget`` nodes,
-    topological, and no two siblings with the same token (the sampling walk
-    sums sibling probabilities, so a duplicate would count twice). A node
-    whose parent was dropped is dropped with it."""
-    keep: list[int] = []
-    new_index: dict[int, int] = {}
-    seen: set[tuple[int, int]] = set()
+    """Make a method's tree safe to verify: topological, no two siblings with
+    the same token (the sampling walk sums sibling probabilities, so a
+    duplicate would count twice) and at most ``budget`` nodes.
+
+    A duplicate sibling is unified onto the first one: its children hang
+    under that node (they may be a different drafter's continuation) and
+    the first one's metadata wins. A node with an invalid parent is dropped
+    with its subtree. Over budget, a tree with ``scores`` keeps its best
+    nodes (best-first from the root, so every kept node's parent is kept),
+    one without keeps its first ``budget`` nodes. The order of the kept
+    nodes is the method's.
+    """
+    canon: dict[int, int] = {}  # node -> the node it is (itself or unified onto)
+    first: dict[tuple[int, int], int] = {}
+    order: list[int] = []
     for i, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
-        if len(keep) >= budget:
-            break
-        if not -1 <= p < i or (p >= 0 and p not in new_index):
+        if not -1 <= p < i or (p >= 0 and p not in canon):
             continue
-        parent = new_index[p] if p >= 0 else -1
-        key = (parent, int(tok))
-        if key in seen:
+        key = (canon[p] if p >= 0 else -1, int(tok))
+        if key in first:
+            canon[i] = first[key]
             continue
-        seen.add(key)
-        new_index[i] = len(keep)
-        keep.append(i)
+        first[key] = canon[i] = i
+        order.append(i)
+    if len(order) > budget:
+        if tree.scores is None:
+            order = order[:budget]
+        else:
+            order = sorted(_best_first(tree, order, canon, budget))
+    index = {n: k for k, n in enumerate(order)}
     return DraftTree(
-        [int(tree.tokens[i]) for i in keep],
-        [new_index[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in keep],
+        [int(tree.tokens[n]) for n in order],
+        [index[canon[tree.parents[n]]] if tree.parents[n] >= 0 else -1 for n in order],
+        None if tree.scores is None else [tree.scores[n] for n in order],
+        None if tree.sources is None else [tree.sources[n] for n in order],
     )
 
 
-class TrieBuilder:
-    """Merge token sequences into one tree, sharing common prefixes.
+def _best_first(tree: DraftTree, order: list[int], canon: dict[int, int],
+                budget: int) -> list[int]:
+    """The ``budget`` best-scored nodes of ``order`` reachable from the
+    root through kept nodes only."""
+    kids: dict[int, list[int]] = {}
+    for n in order:
+        p = tree.parents[n]
+        kids.setdefault(canon[p] if p >= 0 else -1, []).append(n)
+    heap = [(-tree.scores[n], n) for n in kids.get(-1, [])]
+    heapq.heapify(heap)
+    kept: list[int] = []
+    while heap and len(kept) < budget:
+        _, n = heapq.heappop(heap)
+        kept.append(n)
+        for c in kids.get(n, []):
+            heapq.heappush(heap, (-tree.scores[c], c))
+    return kept
 
-    Sequences are inserted in priority order; the result is laid out
-    depth-first with the first-inserted sequence first, so the most likely
-    path sits in consecutive slots and usually needs no KV move after
-    verification.
+
+class TrieBuilder:
+    """Merge token sequences and trees into one tree within a budget,
+    sharing common prefixes: a (parent, token) pair already present is the
+    same node, so what is inserted later hangs under it instead of being
+    lost (e.g. a retrieval continuation under a model-drafted node).
+
+    Insert in priority order; the result is laid out depth-first with the
+    first-inserted node first, so the most likely path sits in consecutive
+    slots and usually needs no KV move after verification. Per-node
+    ``scores``/``sources`` are kept (the first insert of a node wins) and
+    appear in the built tree when any node has one.
     """
 
     def __init__(self, budget: int) -> None:
@@ -144,27 +208,63 @@ class TrieBuilder:
         self._children: list[dict[int, int]] = [{}]  # node 0 is the root
         self._tokens: list[int] = [-1]
         self._parent: list[int] = [-1]
+        self._scores: list[float | None] = [None]
+        self._sources: list[str | None] = [None]
 
     def __len__(self) -> int:
         return len(self._tokens) - 1
 
-    def insert(self, seq, under: int = 0) -> int:
+    @classmethod
+    def from_tree(cls, tree: DraftTree, budget: int) -> TrieBuilder:
+        trie = cls(budget)
+        trie.insert_tree(tree)
+        return trie
+
+    def _child(self, node: int, tok: int, score=None, source=None) -> int | None:
+        """The child of ``node`` holding ``tok``, added if the budget allows."""
+        nxt = self._children[node].get(tok)
+        if nxt is None and len(self) < self.budget:
+            nxt = len(self._tokens)
+            self._children[node][tok] = nxt
+            self._children.append({})
+            self._tokens.append(tok)
+            self._parent.append(node)
+            self._scores.append(score)
+            self._sources.append(source)
+        return nxt
+
+    def insert(self, seq, under: int = 0, source: str | None = None) -> int:
         """Insert ``seq`` below internal node ``under``; returns nodes added."""
-        node, added = under, 0
+        node, before = under, len(self)
         for tok in seq:
-            tok = int(tok)
-            nxt = self._children[node].get(tok)
-            if nxt is None:
-                if len(self) >= self.budget:
-                    break
-                nxt = len(self._tokens)
-                self._children[node][tok] = nxt
-                self._children.append({})
-                self._tokens.append(tok)
-                self._parent.append(node)
-                added += 1
-            node = nxt
-        return added
+            node = self._child(node, int(tok), source=source)
+            if node is None:
+                break
+        return len(self) - before
+
+    def insert_tree(self, tree: DraftTree, under: int = 0) -> int:
+        """Merge ``tree`` below internal node ``under``; returns nodes added.
+
+        Nodes are taken best-first by ``tree.scores`` (in the tree's order
+        without scores), each only after its parent: existing nodes cost
+        nothing, new ones fill what is left of the budget, and a node that
+        does not fit takes its subtree with it.
+        """
+        children = tree.children()
+        before = len(self)
+        key = (lambda n: (-tree.scores[n], n)) if tree.scores is not None else (lambda n: (n,))
+        heap = [(key(c), c, under) for c in children[0]]
+        heapq.heapify(heap)
+        while heap:
+            _, n, parent = heapq.heappop(heap)
+            node = self._child(
+                parent, int(tree.tokens[n]),
+                None if tree.scores is None else tree.scores[n],
+                None if tree.sources is None else tree.sources[n])
+            if node is not None:
+                for c in children[n + 1]:
+                    heapq.heappush(heap, (key(c), c, node))
+        return len(self) - before
 
     def build(self) -> DraftTree:
         order: list[int] = []
@@ -174,6 +274,14 @@ class TrieBuilder:
             order.append(n)
             stack.extend(reversed(self._children[n].values()))
         index = {n: i for i, n in enumerate(order)}
-        tokens = [self._tokens[n] for n in order]
-        parents = [index.get(self._parent[n], -1) for n in order]
-        return DraftTree(tokens, parents)
+        scores = sources = None
+        if any(self._scores[n] is not None for n in order):
+            scores = [self._scores[n] if self._scores[n] is not None else float("-inf")
+                      for n in order]
+        if any(self._sources[n] is not None for n in order):
+            sources = [self._sources[n] or "" for n in order]
+        return DraftTree(
+            [self._tokens[n] for n in order],
+            [index.get(self._parent[n], -1) for n in order],
+            scores, sources,
+        )

@@ -770,13 +770,7 @@ class AdaPLDProposer(Proposer):
         accepted_max = len(req.token_ids) - d.base_len - 1
         if accepted_max < 0:
             return
-        children = d.tree.children()
-        node, matched = -1, 0
-        for tok in req.token_ids[d.base_len : d.base_len + accepted_max]:
-            nxt = next((ch for ch in children[node + 1] if d.tree.tokens[ch] == tok), None)
-            if nxt is None:
-                break
-            node, matched = nxt, matched + 1
+        node, matched = d.tree.follow(req.token_ids[d.base_len : d.base_len + accepted_max])
         c = self.counters
         c[f"verified_{d.source}"] += 1
         c[f"accepted_tokens_{d.source}"] += matched

@@ -68,7 +68,7 @@ class OracleProposer(Proposer):
         tree, truth = self._pending.pop(req.req_id, (None, None))
         if tree is None or req.draft_kept <= 0:
             return
-        self.expected_accepted += _accepted_depth(tree.truncated(req.draft_kept), truth)
+        self.expected_accepted += tree.truncated(req.draft_kept).follow(truth)[1]
         self.drafts += 1
 
     def _continuation(self, tokens: list[int]) -> list[int] | None:
@@ -123,28 +123,18 @@ class OracleProposer(Proposer):
                                        "drafts": self.drafts})
 
 
-def _accepted_depth(tree: DraftTree, truth: list[int]) -> int:
-    """How deep greedy verification goes along ``truth`` in ``tree``."""
-    a, cur = 0, -1
-    children = tree.children()
-    while a < len(truth):
-        nxt = [c for c in children[cur + 1] if tree.tokens[c] == truth[a]]
-        if not nxt:
-            break
-        cur, a = nxt[0], a + 1
-    return a
-
-
 def _random_tree(rng, truth, size, max_depth, vocab, shuffle) -> DraftTree:
     depth = rng.randint(0, min(max_depth, len(truth), size))
     tokens: list[int] = []
     parents: list[int] = []
+    depths: list[int] = []
     for d in range(depth):  # the true path
         tokens.append(truth[d])
         parents.append(d - 1)
+        depths.append(d + 1)
     while len(tokens) < size:
         p = rng.randint(-1, len(tokens) - 1)
-        d = 0 if p < 0 else _depth(parents, p)
+        d = 0 if p < 0 else depths[p]
         tok = rng.randrange(vocab)
         # A wrong token where the truth continues keeps the accepted depth
         # exactly `depth`; sibling duplicates are avoided too. Nothing goes
@@ -157,16 +147,12 @@ def _random_tree(rng, truth, size, max_depth, vocab, shuffle) -> DraftTree:
             continue
         tokens.append(tok)
         parents.append(p)
-    tree = DraftTree(tokens, parents)
+        depths.append(d + 1)
+    # Sources let the runner's per-source counts be checked: only "truth"
+    # nodes can be accepted.
+    tree = DraftTree(tokens, parents,
+                     sources=["truth"] * depth + ["noise"] * (len(tokens) - depth))
     return _shuffled(rng, tree) if shuffle else tree
-
-
-def _depth(parents, i) -> int:
-    d = 1
-    while parents[i] >= 0:
-        i = parents[i]
-        d += 1
-    return d
 
 
 def _shuffled(rng, tree: DraftTree) -> DraftTree:
@@ -178,8 +164,4 @@ def _shuffled(rng, tree: DraftTree) -> DraftTree:
         node = ready.pop(rng.randrange(len(ready)))
         order.append(node)
         ready.extend(children[node + 1])
-    index = {n: i for i, n in enumerate(order)}
-    return DraftTree(
-        [tree.tokens[n] for n in order],
-        [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in order],
-    )
+    return tree.select(order)

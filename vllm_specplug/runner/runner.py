@@ -191,6 +191,9 @@ class SpecplugRunnerMixin:
         self._sp_topk: tuple[torch.Tensor, torch.Tensor] | None = None
         self._sp_proposer = None
         self._sp_stats = TreeStats()
+        # Trees with per-node sources, by request: (tree, history length
+        # when drafted), scored when the next step says what was accepted.
+        self._sp_sourced: dict[str, tuple[DraftTree, int]] = {}
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -464,6 +467,7 @@ class SpecplugRunnerMixin:
                 sreq.layer_hidden = aux_hidden_states[0][rows]
             self._sp_fill_topk(sreq, i, rel, is_decode, hidden_states, rows, qsl,
                                n_sched)
+            self._sp_count_sources(sreq)
             batch.append(sreq)
         t1 = time.perf_counter()
         trees = self._sp_proposer.propose(batch)
@@ -478,9 +482,23 @@ class SpecplugRunnerMixin:
             if sreq.chain_only and not tree.is_chain():
                 tree = tree.first_path()
             self._sp_trees[sreq.req_id] = tree
+            if tree.sources is not None:
+                self._sp_sourced[sreq.req_id] = (tree, len(sreq.token_ids))
             drafts.append(tree.tokens)
         self._sp_stats.record_propose(t1 - t0, t2 - t1)
+        if self._sp_sourced:  # forget finished requests
+            for rid in [r for r in self._sp_sourced if r not in self.requests]:
+                del self._sp_sourced[rid]
         return drafts
+
+    def _sp_count_sources(self, sreq: StepRequest) -> None:
+        """Accepted tokens per source of the request's previous tree: the
+        kept prefix, followed along what the history gained (bonus token
+        excluded)."""
+        tree, base = self._sp_sourced.pop(sreq.req_id, (None, 0))
+        if tree is not None and sreq.draft_kept > 0:
+            self._sp_stats.record_sources(tree.truncated(sreq.draft_kept),
+                                          sreq.token_ids[base:-1])
 
     def _sp_fill_topk(self, sreq, i, rel, is_decode, hidden_states, rows, qsl,
                       n_sched) -> None:
