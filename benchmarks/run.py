@@ -201,22 +201,14 @@ def preflight(name: str, kind: str, opts: dict, model: str | None = None) -> str
             return (f"'{name}' needs a draft/head checkpoint: --method-options "
                     f"'{{\"{name}\": {{\"model\": \"<path>\"}}}}'")
         return None
-    from pydantic import ValidationError
-
     from vllm_specplug import registry
+    from vllm_specplug.config import SpecplugConfigError
 
-    cls = registry.get(name).config_cls
-    fields = cls.model_fields
-    missing = [f for f, info in fields.items() if info.is_required() and f not in opts]
-    if missing:
-        doc = " ".join((fields[missing[0]].description or "").split())
-        return (f"'{name}' needs option '{missing[0]}' ({doc[:160]}): --method-options "
-                f"'{{\"{name}\": {{\"{missing[0]}\": ...}}}}'")
+    fields = registry.get(name).config_cls.model_fields
     try:
-        cls(**{k: v for k, v in opts.items() if k in fields})
-    except ValidationError as e:
-        err = e.errors()[0]
-        return f"option {'.'.join(map(str, err['loc']))}: {err['msg']}"
+        registry.build_config(name, {k: v for k, v in opts.items() if k in fields})
+    except SpecplugConfigError as e:
+        return f"{e} (--method-options '{{\"{name}\": {{...}}}}')"
     return None
 
 

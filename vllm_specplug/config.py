@@ -1,25 +1,46 @@
-"""Typed, validated options for specplug methods.
+"""Typed options for specplug methods: the types and the one error format.
 
 Options travel in vLLM's own ``speculative_config`` JSON next to
 ``method`` and ``num_speculative_tokens``. Each method declares a
 ``MethodConfig`` subclass; a field's docstring is its documentation (the
-README table is generated from it), as in vLLM's config classes.
+README table is generated from it), as in vLLM's config classes. Turning a
+user's dict into a validated config is the registry's job
+(``registry.resolve`` / ``registry.build_config``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 # The key under VllmConfig.additional_config that carries the method to the
 # engine core and workers (it is pickled with the config).
 ADDITIONAL_CONFIG_KEY = "specplug"
 
+_NO_VALUE = object()
+
 
 class SpecplugConfigError(ValueError):
     """A bad speculative_config: the message is one line naming the key."""
+
+
+def option_error(key: str, problem: str, value: Any = _NO_VALUE) -> SpecplugConfigError:
+    """The start-up error for option ``key``, one line:
+    ``speculative_config['key']: problem``, or with the offending value
+    ``speculative_config['key']=value problem``."""
+    head = f"speculative_config['{key}']"
+    if value is _NO_VALUE:
+        return SpecplugConfigError(f"{head}: {problem}")
+    return SpecplugConfigError(f"{head}={value} {problem}")
+
+
+def missing_option(key: str, method: str, hint: str = "") -> SpecplugConfigError:
+    """``speculative_config['key'] is required for method 'm' (hint)``."""
+    hint = " ".join(hint.split())[:160]
+    return SpecplugConfigError(
+        f"speculative_config['{key}'] is required for method '{method}'"
+        + (f" ({hint})" if hint else ""))
 
 
 class MethodConfig(BaseModel):
@@ -34,60 +55,5 @@ class MethodConfig(BaseModel):
 
     def check_against(self, num_speculative_tokens: int) -> None:
         """Checks across options and ``num_speculative_tokens`` that field
-        validators cannot make; raise ``SpecplugConfigError`` (one line,
-        naming the key). Runs at start-up, before the engine is built."""
-
-
-def _vllm_spec_fields() -> set[str]:
-    from vllm.config import SpeculativeConfig
-
-    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
-
-
-def split_speculative_config(raw: dict[str, Any]) -> tuple[str, MethodConfig, dict]:
-    """Split a user's speculative_config into (method, method config, vLLM keys).
-
-    Keys the method declares go to its config; keys vLLM's SpeculativeConfig
-    knows stay with vLLM; anything else is an error naming the key.
-    """
-    from vllm_specplug import registry
-
-    raw = {k.replace("-", "_"): v for k, v in raw.items()}
-    method = raw.pop("method")
-    cls = registry.get(method).config_cls
-    own = set(cls.model_fields)
-    vllm_keys = _vllm_spec_fields() - {"method", "model"}
-    mine, theirs = {}, {}
-    for key, value in raw.items():
-        if key in own:
-            mine[key] = value
-        elif key in vllm_keys:
-            theirs[key] = value
-        else:
-            known = ", ".join(sorted(own | {"num_speculative_tokens"}))
-            raise SpecplugConfigError(
-                f"speculative_config: unknown key '{key}' for method '{method}' "
-                f"(method options: {known})"
-            )
-    try:
-        config = cls(**mine)
-    except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "?"
-        raise SpecplugConfigError(
-            f"speculative_config['{key}']: {err['msg']} "
-            f"(got {err.get('input')!r}, method '{method}')"
-        ) from None
-    n = theirs.get("num_speculative_tokens")
-    if n is None:
-        raise SpecplugConfigError(
-            f"speculative_config['num_speculative_tokens'] is required "
-            f"for method '{method}'"
-        )
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise SpecplugConfigError(
-            f"speculative_config['num_speculative_tokens']: must be a positive "
-            f"integer (got {n!r})"
-        )
-    config.check_against(n)
-    return method, config, theirs
+        validators cannot make; raise ``option_error(...)``. Runs at
+        start-up, before the engine is built."""

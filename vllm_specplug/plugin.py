@@ -74,11 +74,10 @@ def rewrite(spec: dict, worker_cls: str, additional: dict | None):
     worker class, additional_config)."""
     from vllm.platforms import current_platform
 
-    from vllm_specplug.config import split_speculative_config
     from vllm_specplug.version import check_vllm_version
 
     check_vllm_version()
-    method, config, vllm_keys = split_speculative_config(spec)
+    method, config, vllm_keys = registry.resolve(spec)
     device = current_platform.device_type
     if device not in _WORKERS:
         raise ValueError(f"specplug method '{method}' does not support device '{device}'")

@@ -1,17 +1,25 @@
-"""The specplug method registry (SGLang-style: name -> implementation).
+"""The specplug method registry (SGLang-style: name -> implementation), and
+the one place a user's ``speculative_config`` becomes a validated config.
 
 The built-in methods are the fixed table below; a third-party method calls
-``register``. Each entry's class declares the same ``name``.
-
-Entries are import paths, not classes, so that loading the plugin in a vLLM
-process that does not use specplug costs one dict and no heavy imports
-(ScaNN, the EAGLE head, ...).
+``register``. Each entry's class declares the same ``name``. Entries are
+import paths, not classes, so that loading the plugin in a vLLM process
+that does not use specplug costs one dict and no heavy imports (ScaNN, the
+EAGLE head, ...).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from vllm_specplug.config import (
+    MethodConfig,
+    SpecplugConfigError,
+    missing_option,
+    option_error,
+)
 
 if TYPE_CHECKING:
     from vllm_specplug.engine.interface import Proposer
@@ -52,6 +60,71 @@ def get(name: str) -> type[Proposer]:
     if cls.name != name:
         raise ValueError(f"specplug method '{name}' -> {target}, whose name is '{cls.name}'")
     return cls
+
+
+# ------------------------------------------------------------------ options
+
+
+def build_config(method: str, options: dict[str, Any],
+                 num_speculative_tokens: int | None = None) -> MethodConfig:
+    """``method``'s validated options: pydantic's field checks, then the
+    config's ``check_against(num_speculative_tokens)`` (skipped when it is
+    None). Errors are one-line ``SpecplugConfigError``s naming the key."""
+    from pydantic import ValidationError
+
+    cls = get(method).config_cls
+    for key, info in cls.model_fields.items():
+        if info.is_required() and key not in options:
+            raise missing_option(key, method, info.description or "")
+    try:
+        config = cls(**options)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "?"
+        raise option_error(
+            key, f"{err['msg']} (got {err.get('input')!r}, method '{method}')") from None
+    if num_speculative_tokens is not None:
+        config.check_against(num_speculative_tokens)
+    return config
+
+
+def resolve(raw: dict[str, Any]) -> tuple[str, MethodConfig, dict[str, Any]]:
+    """Split a user's speculative_config into (method, validated method
+    config, the keys that stay with vLLM).
+
+    Keys the method declares go to its config; keys vLLM's SpeculativeConfig
+    knows stay with vLLM; anything else is an error naming the key.
+    """
+    raw = {k.replace("-", "_"): v for k, v in raw.items()}
+    method = raw.pop("method")
+    own = set(get(method).config_cls.model_fields)
+    vllm_keys = _vllm_spec_fields() - {"method", "model"}
+    mine, theirs = {}, {}
+    for key, value in raw.items():
+        if key in own:
+            mine[key] = value
+        elif key in vllm_keys:
+            theirs[key] = value
+        else:
+            known = ", ".join(sorted(own | {"num_speculative_tokens"}))
+            raise SpecplugConfigError(
+                f"speculative_config: unknown key '{key}' for method '{method}' "
+                f"(method options: {known})"
+            )
+    config = build_config(method, mine)
+    n = theirs.get("num_speculative_tokens")
+    if n is None:
+        raise missing_option("num_speculative_tokens", method)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise option_error("num_speculative_tokens", f"must be a positive integer (got {n!r})")
+    config.check_against(n)
+    return method, config, theirs
+
+
+def _vllm_spec_fields() -> set[str]:
+    from vllm.config import SpeculativeConfig
+
+    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
 # Names vLLM 0.32 owns; a plugin method may not shadow them.

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from vllm_specplug.config import MethodConfig, SpecplugConfigError
+from vllm_specplug.config import MethodConfig, option_error
 from vllm_specplug.engine.interface import (
     Needs,
     Proposer,
@@ -148,43 +148,35 @@ class AdaPLDConfig(MethodConfig):
     def check_against(self, num_speculative_tokens: int) -> None:
         n = num_speculative_tokens
         if self.head_positions > self.memory_max_positions // 2:
-            raise SpecplugConfigError(
-                f"speculative_config['memory_head_positions']="
-                f"{self.memory_head_positions} must be <= memory_max_positions/2 "
-                f"({self.memory_max_positions // 2})"
-            )
+            raise option_error(
+                "memory_head_positions",
+                f"must be <= memory_max_positions/2 ({self.memory_max_positions // 2})",
+                self.memory_head_positions)
         if self.max_copy_len is not None and self.max_copy_len > n:
-            raise SpecplugConfigError(
-                f"speculative_config['max_copy_len']={self.max_copy_len} "
-                f"exceeds num_speculative_tokens={n}"
-            )
+            raise option_error("max_copy_len", f"exceeds num_speculative_tokens={n}",
+                               self.max_copy_len)
         main = self.max_copy_len or 1
         if self.branch_nodes + main > n:
             succ = self.successor_len if self.successor_drafting else 0
-            raise SpecplugConfigError(
-                f"speculative_config['branch_width']={self.branch_width}: the "
-                f"tree needs {self.branch_nodes} branch/successor nodes "
+            raise option_error(
+                "branch_width",
+                f"needs {self.branch_nodes} branch/successor nodes "
                 f"(successor_len={succ}) + {main} main-path node(s) > "
                 f"num_speculative_tokens={n}; lower branch_width or successor_len, "
-                f"or raise num_speculative_tokens"
-            )
+                f"or raise num_speculative_tokens", self.branch_width)
 
 
 def resolve_layer(hidden_layer: int | None, num_hidden_layers: int) -> int:
     """The decoder layer to capture; a one-line error naming ``hidden_layer``."""
     if hidden_layer is None:
         if num_hidden_layers <= 0:
-            raise SpecplugConfigError(
-                "speculative_config['hidden_layer'] must be set: the target's "
-                "number of decoder layers is unknown"
-            )
+            raise option_error("hidden_layer",
+                               "must be set: the target's number of decoder layers is unknown")
         return num_hidden_layers // 3
     if num_hidden_layers > 0 and hidden_layer >= num_hidden_layers:
-        raise SpecplugConfigError(
-            f"speculative_config['hidden_layer']={hidden_layer} is out of range: "
-            f"the target has {num_hidden_layers} decoder layers "
-            f"(0..{num_hidden_layers - 1})"
-        )
+        raise option_error(
+            "hidden_layer", f"is out of range: the target has {num_hidden_layers} "
+            f"decoder layers (0..{num_hidden_layers - 1})", hidden_layer)
     return hidden_layer
 
 
@@ -621,18 +613,16 @@ class AdaPLDProposer(Proposer):
 
     def __init__(self, config: AdaPLDConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
-        config.check_against(ctx.num_speculative_tokens)
         self.layer = resolve_layer(config.hidden_layer, ctx.num_hidden_layers)
         self.sim: EmbeddingSimilarity | None = None
         if config.semantic_fallback or (config.successor_semantic and config.successor_drafting
                                         and config.branch_width > 0):
             if ctx.embed_tokens is None:
                 key = "semantic_fallback" if config.semantic_fallback else "successor_semantic"
-                raise SpecplugConfigError(
-                    f"speculative_config['{key}']=true needs the target's input "
-                    f"embeddings, which the runner did not provide; set "
-                    f"semantic_fallback and successor_semantic to false"
-                )
+                raise option_error(
+                    key, "needs the target's input embeddings, which the runner did "
+                    "not provide; set semantic_fallback and successor_semantic to false",
+                    "true")
             self.sim = EmbeddingSimilarity(ctx.embed_tokens)
         self.copy_cap = config.max_copy_len or max(
             1, ctx.num_speculative_tokens - config.branch_nodes

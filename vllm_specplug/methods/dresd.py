@@ -23,7 +23,7 @@ import time
 import numpy as np
 from pydantic import Field
 
-from vllm_specplug.config import MethodConfig, SpecplugConfigError
+from vllm_specplug.config import MethodConfig, option_error
 from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.interface import (
     Needs,
@@ -73,10 +73,8 @@ class DReSDConfig(MethodConfig):
     def check_against(self, num_speculative_tokens: int) -> None:
         for key in ("greedy_num_drafts", "sampling_num_drafts"):
             if getattr(self, key) > self.num_candidates:
-                raise SpecplugConfigError(
-                    f"speculative_config['{key}']={getattr(self, key)} exceeds "
-                    f"num_candidates={self.num_candidates}"
-                )
+                raise option_error(key, f"exceeds num_candidates={self.num_candidates}",
+                                   getattr(self, key))
 
 
 class DReSDProposer(Proposer):

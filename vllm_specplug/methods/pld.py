@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from vllm_specplug.config import MethodConfig, SpecplugConfigError
+from vllm_specplug.config import MethodConfig, option_error
 from vllm_specplug.engine.interface import Proposer, StepRequest
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder
 from vllm_specplug.sources.ngram import continuations
@@ -29,15 +29,13 @@ class PLDConfig(MethodConfig):
 
     def check_against(self, num_speculative_tokens: int) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise SpecplugConfigError(
-                f"speculative_config['prompt_lookup_min']={self.prompt_lookup_min} "
-                f"must be <= prompt_lookup_max={self.prompt_lookup_max}"
-            )
+            raise option_error(
+                "prompt_lookup_min", f"must be <= prompt_lookup_max={self.prompt_lookup_max}",
+                self.prompt_lookup_min)
         if self.tree_branches > num_speculative_tokens:
-            raise SpecplugConfigError(
-                f"speculative_config['tree_branches']={self.tree_branches} "
-                f"exceeds num_speculative_tokens={num_speculative_tokens}"
-            )
+            raise option_error(
+                "tree_branches", f"exceeds num_speculative_tokens={num_speculative_tokens}",
+                self.tree_branches)
 
 
 class PLDProposer(Proposer):

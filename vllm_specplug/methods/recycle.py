@@ -14,7 +14,7 @@ import time
 import torch
 from pydantic import Field, field_validator
 
-from vllm_specplug.config import MethodConfig, SpecplugConfigError
+from vllm_specplug.config import MethodConfig, option_error
 from vllm_specplug.engine.adjacency import AdjacencyTable
 from vllm_specplug.engine.interface import (
     Needs,
@@ -58,15 +58,12 @@ class RecycleConfig(MethodConfig):
     def check_against(self, num_speculative_tokens: int) -> None:
         size = len(self.build_template())
         if num_speculative_tokens > size:
-            raise SpecplugConfigError(
-                f"speculative_config['num_speculative_tokens']={num_speculative_tokens} "
-                f"exceeds the {size} nodes of template '{self.template}' "
-                f"(topk={self.topk}) for method 'recycle'"
-            )
+            raise option_error(
+                "num_speculative_tokens", f"exceeds the {size} nodes of template "
+                f"'{self.template}' (topk={self.topk}) for method 'recycle'",
+                num_speculative_tokens)
         if self.table_path is not None and not os.path.isfile(self.table_path):
-            raise SpecplugConfigError(
-                f"speculative_config['table_path']: no such file {self.table_path!r}"
-            )
+            raise option_error("table_path", f"no such file {self.table_path!r}")
 
 
 class RecycleProposer(Proposer):
@@ -91,7 +88,7 @@ class RecycleProposer(Proposer):
                 cfg.table_path, ctx.vocab_size, cfg.topk, ctx.device, model_id
             )
         except ValueError as e:
-            raise SpecplugConfigError(f"speculative_config['table_path']: {e}") from None
+            raise option_error("table_path", str(e)) from None
 
     def needs(self) -> Needs:
         return Needs(topk=self.config.topk, prefill_topk=True, tree_topk=True)

@@ -199,7 +199,8 @@ class SpecplugRunnerMixin:
         super().load_model(*args, **kwargs)
         model = self.get_model()
         cls = registry.get(self._sp_method)
-        config = cls.config_cls(**self._sp_options)
+        config = registry.build_config(self._sp_method, self._sp_options,
+                                       self.speculative_config.num_speculative_tokens)
         embed = _input_embeddings(model, self.model_config.get_vocab_size())
         ctx = ProposerContext(
             vocab_size=self.model_config.get_vocab_size(),
