@@ -29,7 +29,7 @@ def _timed(f, n: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    from vllm_specplug.engine.adjacency import AdjacencyTable
+    from vllm_specplug.sources.adjacency import AdjacencyTable
     from vllm_specplug.methods.recycle import RecycleConfig
 
     ap = argparse.ArgumentParser(description=__doc__,

@@ -15,7 +15,7 @@ _SUBCOMMANDS = {
     "ref-model": "vllm_specplug.models.cli",
     "serve": "vllm_specplug.serve_cli",
     "methods": "vllm_specplug.methods.cli",
-    "adjacency": "vllm_specplug.engine.adjacency_cli",
+    "adjacency": "vllm_specplug.sources.adjacency_cli",
     "datastore": "vllm_specplug.datastore.cli",
     "eagle3": "vllm_specplug.eagle3.cli",
 }

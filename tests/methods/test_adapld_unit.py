@@ -9,14 +9,13 @@ import torch
 
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
-from vllm_specplug.methods.adapld import (
+from vllm_specplug.methods.adapld import AdaPLDConfig, AdaPLDProposer
+from vllm_specplug.sources.retrieval import (
     BRANCH,
     LEXICAL,
     MAIN,
     SEMANTIC,
     SUCCESSOR,
-    AdaPLDConfig,
-    AdaPLDProposer,
     EmbeddingSimilarity,
     TokenVocab,
     branch_tokens,

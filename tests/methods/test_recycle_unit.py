@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 
 from vllm_specplug.config import SpecplugConfigError
-from vllm_specplug.engine.adjacency import AdjacencyTable
+from vllm_specplug.sources.adjacency import AdjacencyTable
 from vllm_specplug.engine.interface import Needs, ProposerContext, StepRequest
 from vllm_specplug.methods.recycle import RecycleConfig, RecycleProposer
 from tests.methods.budget import propose
@@ -161,7 +161,7 @@ def test_prefill_rows_given_twice_are_learned_once():
     )
     propose(p, [req])
     assert p.table.table[5, 0].item() == 9 and p.table.num_filled() == len(seq)
-    assert p._rows(req)[0][0].tolist() == seq and len(p._rows(req)[0]) == 1
+    assert p.drafter.rows(req)[0][0].tolist() == seq and len(p.drafter.rows(req)[0]) == 1
 
 
 def test_budget_max_model_len_and_chain_only():
@@ -194,7 +194,7 @@ def test_shared_table_crosses_requests_per_request_tables_do_not():
             assert tree_b.tokens[0] == 3
     p.remove_request("a")
     p.remove_request("b")
-    assert p._own == {}
+    assert p.drafter._own == {}
 
 
 def test_warm_start_from_file(tmp_path):

@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 from pydantic import Field, field_validator
 
 from vllm_specplug.config import MethodConfig, option_error
-from vllm_specplug.engine.adjacency import AdjacencyTable
 from vllm_specplug.engine.interface import (
     Needs,
     Proposer,
@@ -24,8 +22,10 @@ from vllm_specplug.engine.interface import (
     StepRequest,
 )
 from vllm_specplug.engine.stats import RunningStat
-from vllm_specplug.engine.template import TreeTemplate, parse_level_counts
 from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.sources.adjacency import AdjacencyTable
+from vllm_specplug.sources.adjacency_drafter import AdjacencyDrafter
+from vllm_specplug.sources.template import TreeTemplate, parse_level_counts
 
 
 class RecycleConfig(MethodConfig):
@@ -72,10 +72,17 @@ class RecycleProposer(Proposer):
 
     def __init__(self, config: RecycleConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
-        self.template = config.build_template()
-        self.table = self._initial_table()
-        self._own: dict[str, AdjacencyTable] = {}  # per_request_tables only
+        self.drafter = AdjacencyDrafter(self._initial_table(), config.build_template(),
+                                        config.per_request_tables)
         self._update_time, self._expand_time = RunningStat(), RunningStat()
+
+    @property
+    def table(self) -> AdjacencyTable:
+        return self.drafter.table
+
+    @property
+    def template(self) -> TreeTemplate:
+        return self.drafter.template
 
     def _initial_table(self) -> AdjacencyTable:
         cfg: RecycleConfig = self.config
@@ -94,91 +101,30 @@ class RecycleProposer(Proposer):
         return Needs(topk=self.config.topk, prefill_topk=True, tree_topk=True)
 
     def add_request(self, req_id: str) -> None:
-        if self.config.per_request_tables:
-            self._own[req_id] = self.table.clone()
+        self.drafter.add_request(req_id)
 
     def remove_request(self, req_id: str) -> None:
-        self._own.pop(req_id, None)
-
-    def _table_of(self, req_id: str) -> AdjacencyTable:
-        if not self.config.per_request_tables:
-            return self.table
-        if req_id not in self._own:  # e.g. the runner skipped add_request
-            self._own[req_id] = self.table.clone()
-        return self._own[req_id]
-
-    # ------------------------------------------------------------ learning
-    def _rows(self, req: StepRequest) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tokens, top-k) rows a step taught us about one request."""
-        toks, topk = [], []
-        if req.node_tokens is not None and req.node_topk_ids is not None:
-            toks.append(req.node_tokens.reshape(-1).long())
-            topk.append(req.node_topk_ids.long())
-        # At prefill the runner hands the prompt rows both ways: learn them once.
-        same = req.topk_ids is req.node_topk_ids
-        if req.topk_ids is not None and req.topk_ids.shape[0] and not same:
-            # Row r follows token_ids[verified_pos + r]. These go last so the
-            # accepted path -- the real context -- wins over a rejected
-            # branch that happens to contain the same token.
-            ids = req.token_ids[req.verified_pos : req.verified_pos + req.topk_ids.shape[0]]
-            n = len(ids)
-            toks.append(torch.as_tensor(ids, dtype=torch.long).to(req.topk_ids.device))
-            topk.append(req.topk_ids[:n].long())
-        return toks, topk
-
-    def _learn(self, batch: list[StepRequest]) -> None:
-        if self.config.per_request_tables:
-            for req in batch:
-                toks, topk = self._rows(req)
-                if toks:
-                    self._table_of(req.req_id).update(torch.cat(toks), torch.cat(topk))
-            return
-        # One update for the whole batch, in batch order (the same on every rank).
-        toks, topk = [], []
-        for req in batch:
-            t, k = self._rows(req)
-            toks += [x.to(self.table.device) for x in t]
-            topk += [x.to(self.table.device) for x in k]
-        if toks:
-            self.table.update(torch.cat(toks), torch.cat(topk))
-
-    # ------------------------------------------------------------ drafting
-    def _expand(self, reqs: list[StepRequest]) -> list[list[int]]:
-        roots = [req.last_token for req in reqs]
-        if self.config.per_request_tables:
-            return [
-                self.template.expand(self._table_of(req.req_id), torch.tensor([root]))[0].tolist()
-                for req, root in zip(reqs, roots)
-            ]
-        out = self.template.expand(self.table, torch.tensor(roots, dtype=torch.long))
-        return out.cpu().tolist()  # the one host sync of the step
+        self.drafter.remove_request(req_id)
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         t0 = time.perf_counter()
-        self._learn(batch)
+        self.drafter.learn(batch)
         self._update_time.add(time.perf_counter() - t0)
         live = [i for i, req in enumerate(batch) if req.budget > 0]
         out: list[DraftTree | None] = [None] * len(batch)
         if not live:
             return out
         t0 = time.perf_counter()
-        rows = self._expand([batch[i] for i in live])
+        rows = self.drafter.expand([batch[i] for i in live])
         self._expand_time.add(time.perf_counter() - t0)
         for i, row in zip(live, rows):
-            if batch[i].chain_only:
-                tree = DraftTree.chain(self.template.chain_tokens(row, batch[i].budget))
-            else:
-                # The whole template is expanded and dead nodes dropped before
-                # cutting, so later template nodes fill slots whose branch
-                # had no table entry.
-                tree = self.template.to_draft_tree(row, batch[i].budget)
-            out[i] = tree if len(tree) else None
+            out[i] = self.drafter.tree(row, batch[i].budget, batch[i].chain_only)
         return out
 
     def stats(self) -> ProposerStats:
         """Table size and the per-step cost of its two operations (the
         update covers every request of the step, the expansion every live one)."""
-        tables = [self.table, *self._own.values()]
+        tables = self.drafter.tables
         return ProposerStats(gauges={
             "table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
             "filled_rows": self.table.num_filled(),

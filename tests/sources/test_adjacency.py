@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from vllm_specplug.engine.adjacency import (
+from vllm_specplug.sources.adjacency import (
     UNTOUCHED,
     AdjacencyTable,
     build_from_corpus,

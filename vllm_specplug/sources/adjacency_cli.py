@@ -42,7 +42,7 @@ def register_cli(subparsers) -> None:
 def _build(args: argparse.Namespace) -> int:
     import os
 
-    from vllm_specplug.engine.adjacency import build_from_corpus
+    from vllm_specplug.sources.adjacency import build_from_corpus
 
     sizes = {"--k": args.k, "--batch-size": args.batch_size, "--seq-len": args.seq_len}
     for flag, value in sizes.items():
@@ -61,7 +61,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from vllm_specplug.engine.adjacency import AdjacencyTable
+    from vllm_specplug.sources.adjacency import AdjacencyTable
 
     try:
         header = AdjacencyTable.read_header(args.path)

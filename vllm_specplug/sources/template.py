@@ -27,7 +27,7 @@ import torch
 from vllm_specplug.engine.tree import DraftTree
 
 if TYPE_CHECKING:
-    from vllm_specplug.engine.adjacency import AdjacencyTable
+    from vllm_specplug.sources.adjacency import AdjacencyTable
 
 # Assumed chance that the rank-r successor is the right next token. Only used
 # to choose and order nodes; the shape matters far more than these values.

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from vllm_specplug.engine.adjacency import UNTOUCHED, AdjacencyTable
-from vllm_specplug.engine.template import PRESETS, RANK_PRIOR, TreeTemplate, parse_level_counts
+from vllm_specplug.sources.adjacency import UNTOUCHED, AdjacencyTable
+from vllm_specplug.sources.template import PRESETS, RANK_PRIOR, TreeTemplate, parse_level_counts
 
 
 def _score(path) -> float:
