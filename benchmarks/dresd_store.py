@@ -22,8 +22,8 @@ import tempfile
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks import suites
-    from vllm_specplug.datastore.dense import (DatastoreError, DenseDatastore,
-                                               build_dense_datastore)
+    from vllm_specplug.datastore.build import build_dense_datastore
+    from vllm_specplug.datastore.dense import DatastoreError, DenseDatastore
     from vllm_specplug.models.reference import reference_model_path
 
     ap = argparse.ArgumentParser(description=__doc__,

@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 from benchmarks import repetition, report, suites as suites_mod
+from vllm_specplug.corpus import chat_ids
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -301,8 +302,8 @@ def warmup_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     longest prompt length."""
     lengths = sorted(lengths)
     targets = sorted({lengths[0], lengths[len(lengths) // 2], lengths[-1]})
-    ids = suites_mod.chat_prompt(tokenizer, WARMUP_TEXT)
-    filler = suites_mod.chat_prompt(tokenizer, WARMUP_TEXT * (1 + max(targets) // max(1, len(ids))))
+    ids = chat_ids(tokenizer, WARMUP_TEXT)
+    filler = chat_ids(tokenizer, WARMUP_TEXT * (1 + max(targets) // max(1, len(ids))))
     return [filler[: max(8, t)] for t in targets]
 
 

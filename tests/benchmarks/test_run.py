@@ -199,8 +199,10 @@ def test_specbench_limit_is_stratified():
 def test_tokenize_chat_template_and_limit(tiny_model):
     from transformers import AutoTokenizer
 
+    from vllm_specplug.corpus import chat_ids
+
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    ids = suites.chat_prompt(tok, "hi")
+    ids = chat_ids(tok, "hi")
     assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     s = suites.Suite("x", "mem", ["short", "x" * 5000, "also short", "third"])
     suites.tokenize(s, tok, limit=2, max_prompt_len=200)

@@ -13,14 +13,10 @@ import time
 import numpy as np
 import pytest
 
-from vllm_specplug.datastore import dense
-from vllm_specplug.datastore.dense import (
-    DatastoreError,
-    DenseDatastore,
-    build_dense_datastore,
-    plan_index,
-    tokenizer_fingerprint,
-)
+from vllm_specplug import corpus
+from vllm_specplug.datastore import build, dense
+from vllm_specplug.datastore.build import build_dense_datastore, plan_index
+from vllm_specplug.datastore.dense import DatastoreError, DenseDatastore, tokenizer_fingerprint
 
 WORDS = ("the river valley morning water cold clear evening copper children stones fish "
          "stories mill miller dog cat goats garden beans weather sunny wind rain model token "
@@ -55,7 +51,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def lm(model_path):
-    return dense._load_model(model_path, "float32")
+    return build._load_model(model_path, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +151,12 @@ def test_transform_matches_numpy_reference(built):
 def test_fit_transform_subsamples():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5000, 24)).astype(np.float32) * np.arange(1, 25) + 3.0
-    fit = dense.fit_transform(x, 8, max_sample=1000, seed=3, chunk_rows=300)
+    fit = build.fit_transform(x, 8, max_sample=1000, seed=3, chunk_rows=300)
     assert int(fit["sample_size"]) == 1000
     rows = np.sort(np.random.default_rng(3).choice(5000, size=1000, replace=False))
     np.testing.assert_allclose(fit["mean"], x[rows].astype(np.float64).mean(0), rtol=1e-5)
     with pytest.raises(DatastoreError, match="exceeds the hidden size"):
-        dense.fit_transform(x, 25, max_sample=100)
+        build.fit_transform(x, 25, max_sample=100)
 
 
 def test_round_trip_query(built):
@@ -216,7 +212,7 @@ def test_retrieval_mrr_on_held_out_duplicates(built, lm):
     queries, targets = [], []
     for d in range(N_DUP):
         ids = _tokens(lm, built["docs"][d])
-        h = dense._doc_hiddens(model, [ids], 4096)[0]
+        h = build._doc_hiddens(model, [ids], 4096)[0]
         queries.append(h[:-1])
         targets.extend(range(ds.doc_offsets[d], ds.doc_offsets[d] + len(ids) - 1))
     q = np.concatenate(queries)
@@ -230,7 +226,7 @@ def test_retrieval_mrr_on_held_out_duplicates(built, lm):
     assert mrr >= 0.99 and top1 >= 0.99
 
     plan = plan_index(len(ds), "tree_ah", reorder=64)
-    searcher = dense._build_searcher(np.ascontiguousarray(ds.keys), plan, 10)
+    searcher = build._build_searcher(np.ascontiguousarray(ds.keys), plan, 10)
     tree = lambda e, k: np.asarray(searcher.search_batched(e, final_num_neighbors=k)[0])  # noqa: E731
     mrr_t, top1_t = _mrr(ds, tree, q, targets)
     print(f"[MRR] tree_ah ({plan.num_leaves} leaves, search {plan.leaves_to_search}, "
@@ -243,7 +239,7 @@ def test_retrieval_mrr_on_held_out_duplicates(built, lm):
     hits = total = 0
     for text in novel:
         ids = _tokens(lm, text)
-        h = dense._doc_hiddens(model, [ids], 4096)[0]
+        h = build._doc_hiddens(model, [ids], 4096)[0]
         seqs, _ = ds.query(h[:-1], 1)
         hits += int((seqs[:, 0, 0] == np.asarray(ids[1:])).sum())
         total += len(ids) - 1
@@ -263,18 +259,18 @@ def test_self_retrieval_mrr(built):
 def test_long_documents_are_windowed_with_cache(lm):
     model, _ = lm
     ids = list(range(3, 3 + 90))
-    whole = dense._doc_hiddens(model, [ids], 4096)[0]
-    windowed = dense._doc_hiddens(model, [ids], 32)[0]
+    whole = build._doc_hiddens(model, [ids], 4096)[0]
+    windowed = build._doc_hiddens(model, [ids], 32)[0]
     np.testing.assert_allclose(windowed, whole, atol=1e-4)
-    batched = dense._doc_hiddens(model, [ids[:40], ids], 4096)
+    batched = build._doc_hiddens(model, [ids[:40], ids], 4096)
     np.testing.assert_allclose(batched[0], whole[:40], atol=1e-4)
     np.testing.assert_allclose(batched[1], whole, atol=1e-4)
-    assert [len(b) for b in dense._batches([[0] * 10] * 5 + [[0] * 50], 30)] == [3, 2, 1]
+    assert [len(b) for b in corpus.batches([[0] * 10] * 5 + [[0] * 50], 30)] == [3, 2, 1]
 
 
 def test_last_hidden_is_lm_head_input(lm):
     model, _ = lm
-    dense.check_lm_head_input(model, list(range(5, 20)))  # raises if not
+    build.check_lm_head_input(model, list(range(5, 20)))  # raises if not
 
 
 def test_plan_index_follows_scann_guidance():

@@ -335,7 +335,8 @@ def test_vllm_drafts_equal_torch_head(engines, pipeline):
     agree = total = 0
     for call, prompt in zip(firsts, engines["prompts"]):
         assert call["tokens"] == prompt and call["positions"] == list(range(len(prompt)))
-        aux, _ = cap(prompt)
+        with torch.inference_mode():
+            aux = cap(torch.tensor([prompt]))[0][0]
         drafts = head.propose(torch.tensor(prompt), aux, call["next"][0], K_SPEC)
         agree += sum(int(a == b) for a, b in zip(drafts, call["drafts"][0]))
         total += K_SPEC

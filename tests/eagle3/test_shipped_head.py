@@ -19,7 +19,7 @@ def _prompts(model: str, n: int) -> list[list[int]]:
     """Chat-rendered MT-bench and math prompts (held out of the head's data)."""
     from transformers import AutoTokenizer
 
-    from benchmarks.suites import chat_prompt
+    from vllm_specplug.corpus import chat_ids
     from vllm_specplug.eagle3.prompts import spec_bench_path
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -27,7 +27,7 @@ def _prompts(model: str, n: int) -> list[list[int]]:
         rows = [json.loads(line) for line in f]
     cats = ("writing", "math_reasoning", "coding", "stem")
     picked = [r for c in cats for r in rows if r["category"] == c][::9][:n]
-    return [chat_prompt(tok, r["turns"][0]) for r in picked]
+    return [chat_ids(tok, r["turns"][0]) for r in picked]
 
 
 def _run(model: str, prompts: list[list[int]]) -> dict:

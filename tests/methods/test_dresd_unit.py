@@ -14,7 +14,7 @@ import torch
 from pydantic import ValidationError
 
 from vllm_specplug.config import SpecplugConfigError
-from vllm_specplug.datastore import dense
+from vllm_specplug.datastore import build
 from vllm_specplug.datastore.dense import DatastoreError
 from vllm_specplug.engine.interface import Needs, ProposerContext, StepRequest
 from vllm_specplug.methods.dresd import DReSDConfig, DReSDProposer
@@ -47,11 +47,11 @@ def store(tmp_path_factory, model_path):
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 40))) for _ in range(30)]
     (d / "c.txt").write_text("\n".join(docs) + "\n")
     out = d / "store"
-    dense.build_dense_datastore(model_path, str(out), corpus=str(d / "c.txt"), n_next=N_NEXT,
+    build.build_dense_datastore(model_path, str(out), corpus=str(d / "c.txt"), n_next=N_NEXT,
                                 dims=32, chunk_tokens=1024, progress=False)
-    model, tok = dense._load_model(model_path, "float32")
+    model, tok = build._load_model(model_path, "float32")
     ids = [tok(t)["input_ids"] for t in docs]
-    hidden = [dense._doc_hiddens(model, [x], 4096)[0] for x in ids]
+    hidden = [build._doc_hiddens(model, [x], 4096)[0] for x in ids]
     return {"path": str(out), "ids": ids, "hidden": hidden, "dir": d}
 
 

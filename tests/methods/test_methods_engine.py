@@ -26,7 +26,7 @@ def dense_store(ref_model, baseline, tmp_path_factory):
 
     from transformers import AutoTokenizer
 
-    from vllm_specplug.datastore.dense import build_dense_datastore
+    from vllm_specplug.datastore.build import build_dense_datastore
 
     prompts, outs = baseline
     tok = AutoTokenizer.from_pretrained(ref_model)

@@ -1,4 +1,4 @@
-"""AdjacencyTable: update semantics, files, corpus reading (CPU torch path)."""
+"""AdjacencyTable: update semantics, files, corpus warm start (CPU torch path)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from vllm_specplug.sources.adjacency import (
     UNTOUCHED,
     AdjacencyTable,
     build_from_corpus,
-    iter_corpus_texts,
 )
 
 
@@ -159,24 +158,6 @@ def test_update_matches_kernel_reference():
     assert torch.equal(ours.table, _dict_reference(vocab, k, tokens, topk))
 
 
-def test_iter_corpus_texts(tmp_path):
-    jl = tmp_path / "c.jsonl"
-    rows = [
-        {"text": "a b"},
-        {"prompt": "c"},
-        {"turns": ["d", {"content": "e"}, {"value": "f"}]},
-    ]
-    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    assert list(iter_corpus_texts(str(jl))) == ["a b", "c", "d\n\ne\n\nf"]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"answer": "x"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
-        list(iter_corpus_texts(str(bad)))
-    txt = tmp_path / "c.txt"
-    txt.write_text("one\ntwo\n\n\nthree\n")
-    assert list(iter_corpus_texts(str(txt))) == ["one\ntwo\n", "three\n"]
-
-
 @pytest.mark.slow  # loads transformers: ~10 s
 def test_build_from_corpus_matches_model_topk(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -189,7 +170,7 @@ def test_build_from_corpus_matches_model_topk(tmp_path):
     table = build_from_corpus(model_dir, str(corpus), k=4, seq_len=5, batch_size=2, progress=False)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tok(corpus.read_text())["input_ids"]
+    ids = tok(corpus.read_text().rstrip("\n"))["input_ids"]  # one document per line
     want = AdjacencyTable(table.vocab_size, 4)
     with torch.inference_mode():
         for s in range(0, len(ids), 5):  # the same windows, one at a time

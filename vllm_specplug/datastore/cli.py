@@ -26,7 +26,7 @@ def register_cli(subparsers) -> None:
             "Keys: the target's last hidden state (LM-head input) at every corpus "
             "position, z-scored, PCA-reduced and L2-normalised; values: the next N "
             "tokens. Index: ScaNN (brute force below 20k keys, AH + reorder below "
-            "100k, tree + AH + reorder above). See vllm_specplug.datastore.dense."))
+            "100k, tree + AH + reorder above). See vllm_specplug.datastore.build."))
     b.add_argument("--model", required=True, help="target model folder (Hugging Face format)")
     b.add_argument("--corpus", help=".txt (one doc per line, or --txt-docs file) or .jsonl "
                                     "with a text/prompt/turns/response field")
@@ -72,7 +72,8 @@ def register_cli(subparsers) -> None:
 
 
 def _build_dense(args) -> int:
-    from vllm_specplug.datastore.dense import DatastoreError, build_dense_datastore
+    from vllm_specplug.datastore.build import build_dense_datastore
+    from vllm_specplug.datastore.dense import DatastoreError
 
     if not args.corpus and not args.in_distribution:
         print("specplug datastore build-dense: give --corpus and/or --in-distribution",

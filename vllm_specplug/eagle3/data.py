@@ -37,6 +37,7 @@ import os
 import time
 from typing import Any, Iterator
 
+from vllm_specplug.corpus import chat_ids, run_target
 from vllm_specplug.eagle3 import target_config
 
 __all__ = ["ShardData", "generate_data", "load_manifest", "target_config", "token_counts"]
@@ -65,13 +66,6 @@ def load_manifest(data_dir: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 # stage 1: responses
 # --------------------------------------------------------------------------
-
-
-def _render(tok, messages: list[dict[str, str]]) -> list[int]:
-    ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
 
 
 # vLLM's CPU default reserves 92% of the machine's memory for the KV cache and
@@ -103,7 +97,7 @@ def _generate_chunks(target: str, prompts: list[dict[str, Any]], out_dir: str,
                     if r >= len(chunk[j]["turns"]):
                         continue
                     convs[j].append({"role": "user", "content": chunk[j]["turns"][r]})
-                    pids = _render(tok, convs[j])
+                    pids = chat_ids(tok, convs[j])
                     if len(pids) > opts["max_prompt_tokens"]:
                         continue  # too long: drop this and later turns
                     batch.append(j)
@@ -167,16 +161,15 @@ class _AuxCapture:
     def _hook(self, _mod, _inp, out):
         self._prenorm = out[0] if isinstance(out, tuple) else out
 
-    def __call__(self, ids: list[int]):
-        torch = self.torch
-        with torch.inference_mode():
-            x = torch.tensor([ids], dtype=torch.long)
-            out = self.base(input_ids=x, output_hidden_states=True, use_cache=False)
-            hs = out.hidden_states
-            assert len(hs) == self.n_layers + 1, (len(hs), self.n_layers)
-            aux = [self._prenorm if layer == self.n_layers else hs[layer]
-                   for layer in self.aux_layers]
-            return torch.cat(aux, dim=-1)[0].float(), out.last_hidden_state[0].float()
+    def __call__(self, ids, mask=None):
+        """``run_target``'s forward: ``([B, T, n_aux * H], [B, T, H])``."""
+        out = self.base(input_ids=ids, attention_mask=mask, output_hidden_states=True,
+                        use_cache=False)
+        hs = out.hidden_states
+        assert len(hs) == self.n_layers + 1, (len(hs), self.n_layers)
+        aux = [self._prenorm if layer == self.n_layers else hs[layer]
+               for layer in self.aux_layers]
+        return self.torch.cat(aux, dim=-1).float(), out.last_hidden_state.float()
 
 
 def _hidden_shard(cap: _AuxCapture, samples: list[dict[str, Any]], path: str) -> dict[str, int]:
@@ -184,10 +177,11 @@ def _hidden_shard(cap: _AuxCapture, samples: list[dict[str, Any]], path: str) ->
     from safetensors.torch import save_file
 
     ids_l, mask_l, aux_l, last_l, offs, loffs, plens = [], [], [], [], [0], [0], []
-    for s in samples:
-        ids = s["prompt_ids"] + s["response_ids"]
+    docs = (s["prompt_ids"] + s["response_ids"] for s in samples)
+    # One sample per forward (chunk_tokens=1): no padding, so a sample's
+    # states do not depend on its shard neighbours.
+    for s, (ids, (aux, last)) in zip(samples, run_target(cap, docs, 1)):
         p = len(s["prompt_ids"])
-        aux, last = cap(ids)
         ids_l.append(torch.tensor(ids, dtype=torch.int32))
         m = torch.zeros(len(ids), dtype=torch.uint8)
         m[p:] = 1

@@ -21,11 +21,11 @@ Every source yields records ``{"id": str, "source": str, "turns": [str, ...]}``:
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import random
 from typing import Any
+
+from vllm_specplug.corpus import iter_prompts, read_jsonl
 
 __all__ = ["HOLDOUT_CATEGORIES", "collect_prompts", "parse_sources", "spec_bench_path"]
 
@@ -43,9 +43,7 @@ def spec_bench_path(path: str | None = None) -> str | None:
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return list(read_jsonl(path))
 
 
 def _spec_bench(path: str | None, holdout: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -192,18 +190,9 @@ def _synthetic(seed: int) -> list[dict[str, Any]]:
 
 
 def _file(path: str) -> list[dict[str, Any]]:
-    out = []
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if line.strip():
-                    out.append({"id": f"file/{i}", "source": "file", "turns": [line.strip()]})
-        return out
-    for i, r in enumerate(_read_jsonl(path)):
-        turns = r.get("turns") or [r.get("prompt") or r.get("text")]
-        if turns and turns[0]:
-            out.append({"id": f"file/{r.get('id', i)}", "source": "file", "turns": list(turns)})
-    return out
+    """A corpus file's prompts (``vllm_specplug.corpus``: .txt one per line)."""
+    return [{"id": f"file/{rid}", "source": "file", "turns": turns}
+            for rid, turns in iter_prompts(path)]
 
 
 def parse_sources(spec: str) -> list[tuple[str, int | None]]:

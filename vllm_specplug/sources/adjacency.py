@@ -13,10 +13,8 @@ Memory: ``vocab_size * k * 4`` bytes, e.g. 1.5 MiB for a 49k vocab at k=8.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -203,51 +201,6 @@ class AdjacencyTable:
 # ---------------------------------------------------------------- corpus warm-up
 
 
-def iter_corpus_texts(path: str) -> Iterator[str]:
-    """Texts of a corpus file.
-
-    ``.jsonl``: one object per line with ``text``, ``prompt`` or ``turns``
-    (a list of strings, or of ``{"content"|"value": ...}`` messages, joined
-    by blank lines). Anything else is plain text, one document per
-    blank-line-separated paragraph.
-    """
-    if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                obj = json.loads(line)
-                text = _text_of(obj)
-                if text is None:
-                    raise ValueError(
-                        f"{path}:{lineno}: expected a 'text', 'prompt' or 'turns' key"
-                    )
-                if text:
-                    yield text
-        return
-    with open(path, encoding="utf-8") as f:
-        para: list[str] = []
-        for line in f:
-            if line.strip():
-                para.append(line)
-            elif para:
-                yield "".join(para)
-                para = []
-        if para:
-            yield "".join(para)
-
-
-def _text_of(obj: dict) -> str | None:
-    for key in ("text", "prompt"):
-        if isinstance(obj.get(key), str):
-            return obj[key]
-    turns = obj.get("turns")
-    if isinstance(turns, list):
-        parts = [t if isinstance(t, str) else t.get("content", t.get("value", "")) for t in turns]
-        return "\n\n".join(p for p in parts if p)
-    return None
-
-
 def build_from_corpus(
     model_dir: str,
     corpus_path: str,
@@ -261,12 +214,15 @@ def build_from_corpus(
     """Run the target (HF transformers, float32) over a corpus and record its
     top-k successors at every position, later text winning.
 
-    Documents are cut into ``seq_len`` windows and run ``batch_size`` at a
-    time; ``batch_size * seq_len * vocab`` float32 logits are the peak
-    memory. Stops after ``max_tokens`` tokens if given.
+    Documents (``vllm_specplug.corpus``) are cut into ``seq_len`` windows
+    and run up to ``batch_size`` full windows at a time;
+    ``batch_size * seq_len * vocab`` float32 logits are the peak memory.
+    Stops after ``max_tokens`` tokens if given.
     """
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_specplug.corpus import CorpusError, iter_texts, run_target
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -277,7 +233,7 @@ def build_from_corpus(
 
     windows: list[list[int]] = []
     total = 0
-    for text in iter_corpus_texts(corpus_path):
+    for text in iter_texts(corpus_path):
         ids = tokenizer(text)["input_ids"]
         for start in range(0, len(ids), seq_len):
             win = ids[start : start + seq_len]
@@ -291,25 +247,17 @@ def build_from_corpus(
         if max_tokens is not None and total >= max_tokens:
             break
     if not windows:
-        raise ValueError(f"{corpus_path}: no text to learn from")
+        raise CorpusError(f"{corpus_path}: no text to learn from")
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    def topk(ids, mask):
+        return model(input_ids=ids.to(device),
+                     attention_mask=None if mask is None else mask.to(device)
+                     ).logits.topk(k, dim=-1).indices
+
     bar = tqdm(total=total, unit="tok", desc="adjacency", disable=not progress)
-    with torch.inference_mode():
-        for b in range(0, len(windows), batch_size):
-            chunk = windows[b : b + batch_size]
-            width = max(len(w) for w in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, w in enumerate(chunk):
-                ids[i, : len(w)] = torch.tensor(w)
-                mask[i, : len(w)] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            topk = logits.topk(k, dim=-1).indices
-            keep = mask.bool()
-            # Row-major flattening keeps corpus order, so later text wins.
-            table.update(ids[keep], topk[keep])
-            bar.update(int(keep.sum()))
+    # Windows in corpus order, so later text wins.
+    for win, top in run_target(topk, windows, batch_size * seq_len):
+        table.update(torch.as_tensor(win, device=device), top)
+        bar.update(len(win))
     bar.close()
     return table

@@ -22,12 +22,13 @@ def register_cli(subparsers) -> None:
     build.add_argument("--model", required=True, help="HF model folder (the target)")
     build.add_argument(
         "--corpus", required=True,
-        help='.txt (blank-line separated documents) or .jsonl with "text", "prompt" or "turns"',
+        help='.txt (one document per line) or .jsonl with "text", "prompt"/"turns" '
+             '(+ "response"): see vllm_specplug.corpus',
     )
     build.add_argument("--out", required=True, help="output file (safetensors)")
     build.add_argument("--k", type=int, default=8, help="successors per token (default 8)")
     build.add_argument("--max-tokens", type=int, default=None, help="stop after N corpus tokens")
-    build.add_argument("--batch-size", type=int, default=4, help="windows per forward pass")
+    build.add_argument("--batch-size", type=int, default=4, help="full windows per forward pass")
     build.add_argument("--seq-len", type=int, default=256, help="tokens per window")
     build.add_argument("--device", default="cpu", help="torch device (default cpu)")
     build.set_defaults(func=_build)
