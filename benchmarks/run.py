@@ -455,43 +455,24 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
 
 
 # ---------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    started = _now()
-    corrupt_method = os.environ.get(CORRUPT_ENV) or None
-    if corrupt_method:
-        _log(f"!! TEST-ONLY HOOK {CORRUPT_ENV}={corrupt_method}: one token of its outputs "
-             "is flipped before comparison")
+class _Stop(Exception):
+    """A set-up error: logged, exit code 2."""
 
+
+def resolve_model(args) -> str:
     if args.model:
-        model = args.model
-    elif args.quick:
+        return args.model
+    if args.quick:
         from vllm_specplug.models.tiny import tiny_model_path
 
-        model = tiny_model_path()
-    else:
-        from vllm_specplug.models.reference import reference_model_path
+        return tiny_model_path()
+    from vllm_specplug.models.reference import reference_model_path
 
-        model = reference_model_path()
+    return reference_model_path()
 
-    import transformers
-    from transformers import AutoTokenizer
 
-    transformers.logging.set_verbosity_error()  # "sequence longer than ..." on long prompts
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    cap = model_max_len(model) or 8192
-    max_model_len = min(args.max_model_len or min(cap, 8192), cap)
-    ks = [args.num_speculative_tokens] + [
-        o["num_speculative_tokens"] for o in args.options.values()
-        if isinstance(o.get("num_speculative_tokens"), int)]
-    margin = max(ks) + 16  # room for the last step's drafts
-    max_prompt_len = max_model_len - args.max_tokens - margin
-    if max_prompt_len < 8:
-        _log(f"error: --max-model-len {max_model_len} leaves no room for prompts "
-             f"with --max-tokens {args.max_tokens}")
-        return 2
-
+def load_suites(args, tokenizer, max_model_len: int, max_prompt_len: int):
+    """The available suites, tokenized, and every requested suite's metadata."""
     suites: list[suites_mod.Suite] = []
     suite_meta = []
     for name in args.suite_names:
@@ -505,8 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                                "prompt_tokens": 0})
             continue
         except ValueError as e:
-            _log(f"error: {e}")
-            return 2
+            raise _Stop(str(e)) from None
         if not s.prompts:
             reason = (f"no prompt fits max_model_len {max_model_len} "
                       f"({s.dropped_too_long} too long)")
@@ -532,15 +512,13 @@ def main(argv: list[str] | None = None) -> int:
              f"{max(args.batch_sizes)}: those runs have fewer requests in flight "
              f"(raise --limit)")
     if len({s.name for s in suites}) != len(suites):
-        _log("error: two suites have the same name")
-        return 2
+        raise _Stop("two suites have the same name")
     if not suites:
-        _log("error: no suite available")
-        return 2
-    # Only as long as needed (the CPU KV cache must hold batch x this).
-    longest = max(len(p) for s in suites for p in s.prompts)
-    run_len = min(max_model_len, -(-(longest + args.max_tokens + margin) // 16) * 16)
+        raise _Stop("no suite available")
+    return suites, suite_meta
 
+
+def plan_methods(args, model: str) -> list[dict]:
     methods = []
     for name in args.method_names:
         kind = method_kind(name)
@@ -553,25 +531,13 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"note: --method-options for methods not run: {', '.join(sorted(unknown))}")
     if args.added_none:
         _log("note: 'none' added (speedup and losslessness are measured against it)")
+    return methods
 
-    machine = machine_info()
-    if args.dtype == "bfloat16" and machine.get("native_bf16") is False:
-        _log("WARNING: this CPU has neither AVX512-BF16 nor AMX: bfloat16 matmuls are "
-             "emulated and far slower than float32 here; consider --dtype float32")
-    log_dir = Path(args.log_dir) if args.log_dir else Path(
-        tempfile.mkdtemp(prefix="specplug-bench-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    _log(f"model {model} ({args.dtype}), max_tokens {args.max_tokens}, "
-         f"max_model_len {run_len}, k={args.num_speculative_tokens}, "
-         f"batch sizes {args.batch_sizes}; engine logs in {log_dir}")
 
-    warmup = warmup_prompts(tokenizer, [len(p) for s in suites for p in s.prompts])
-    # KV cache: sized for max(batch) x max_model_len unless the user set
-    # VLLM_CPU_KVCACHE_SPACE (then vLLM uses that), so peak memory is not
-    # dominated by an arbitrary reservation.
-    kv_bytes = (None if os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-                else kv_cache_bytes(model, args.dtype, max(args.batch_sizes) * run_len))
-    doc = {
+def new_document(args, argv, started, model, run_len, methods, suite_meta, machine,
+                 kv_bytes, corrupt_method, log_dir) -> dict:
+    """The result document before any configuration ran."""
+    return {
         "schema_version": SCHEMA_VERSION,
         "run": {
             "command": "python -m benchmarks.run " + " ".join(
@@ -604,95 +570,90 @@ def main(argv: list[str] | None = None) -> int:
         "records": [],
     }
 
-    results: dict[tuple[str, int], dict] = {}
-    configs = [(b, m) for b in args.batch_sizes for m in methods]
-    lossy: list[str] = []
-    failed: list[str] = []
-    for i, (batch, m) in enumerate(configs, 1):
-        tag = f"[{i}/{len(configs)}] {m['name']} ({m['kind']}) batch={batch}"
-        if m["skip"]:
-            _log(f"{tag}: SKIPPED - {m['skip']}")
-            results[(m["name"], batch)] = {"status": "skipped", "reason": m["skip"],
-                                           "suites": [], "peak_memory_mib": None}
-        else:
-            load0 = _loadavg()
-            busy = (f"; machine busy (load {load0:.1f} on {machine['cpus_available']} CPUs): "
-                    "timings unreliable" if load0 is not None
-                    and load0 > machine["cpus_available"] else "")
-            _log(f"{tag}: starting ({sum(len(s.prompts) for s in suites)} prompts){busy}")
-            t0 = time.perf_counter()
-            stem = f"{i:02d}_{m['name']}_b{batch}"
 
-            def on_event(ev, _name=m["name"], _b=batch):
-                if ev.get("event") == "ready":
-                    _log(f"    engine up in {ev['init_seconds']:.1f} s")
-                elif ev.get("event") == "suite":
-                    c = ev["counters"]
-                    mal = (f", mean accepted length {1 + c['accepted_tokens'] / c['drafts']:.2f}"
-                           if c["drafts"] else "")
-                    _log(f"    {ev['suite']}: {ev['num_prompts']} prompts, "
-                         f"{ev['generated_tokens']} tokens in {ev['wall_seconds']:.1f} s "
-                         f"({ev['generated_tokens'] / max(ev['wall_seconds'], 1e-9):.1f} tok/s)"
-                         + mal)
+def _log_event(ev: dict) -> None:
+    """A worker's progress line."""
+    if ev.get("event") == "ready":
+        _log(f"    engine up in {ev['init_seconds']:.1f} s")
+    elif ev.get("event") == "suite":
+        c = ev["counters"]
+        mal = (f", mean accepted length {1 + c['accepted_tokens'] / c['drafts']:.2f}"
+               if c["drafts"] else "")
+        _log(f"    {ev['suite']}: {ev['num_prompts']} prompts, "
+             f"{ev['generated_tokens']} tokens in {ev['wall_seconds']:.1f} s "
+             f"({ev['generated_tokens'] / max(ev['wall_seconds'], 1e-9):.1f} tok/s)" + mal)
 
-            job = {"model": model, "dtype": args.dtype, "max_model_len": run_len,
-                   "batch_size": batch, "seed": 0, "kv_cache_bytes": kv_bytes,
-                   "spec": m["speculative_config"],
-                   "kind": m["kind"], "max_tokens": args.max_tokens,
-                   "ignore_eos": args.ignore_eos, "warmup_prompts": warmup,
-                   "suites": [{"name": s.name, "prompts": s.prompts} for s in suites],
-                   "result_path": str(log_dir / f"{stem}.result.json")}
-            res = run_config(job, log_dir / f"{stem}.log", args.timeout, on_event)
-            res["load_average"] = [load0, _loadavg()]
-            results[(m["name"], batch)] = res
-            dt = time.perf_counter() - t0
-            if res["status"] == "ok":
-                peak = res.get("peak_memory_mib")
-                _log(f"{tag}: ok in {dt:.1f} s"
-                     + (f", peak memory {peak:.0f} MiB" if peak else ""))
+
+def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, machine,
+            log_dir: Path, timeout) -> dict:
+    """One method x batch size in a fresh worker process (or its skip)."""
+    if m["skip"]:
+        _log(f"{tag}: SKIPPED - {m['skip']}")
+        return {"status": "skipped", "reason": m["skip"], "suites": [],
+                "peak_memory_mib": None}
+    load0 = _loadavg()
+    busy = (f"; machine busy (load {load0:.1f} on {machine['cpus_available']} CPUs): "
+            "timings unreliable" if load0 is not None
+            and load0 > machine["cpus_available"] else "")
+    _log(f"{tag}: starting ({sum(len(s.prompts) for s in suites)} prompts){busy}")
+    t0 = time.perf_counter()
+    job = {**job_base, "batch_size": batch, "spec": m["speculative_config"],
+           "kind": m["kind"], "result_path": str(log_dir / f"{stem}.result.json")}
+    res = run_config(job, log_dir / f"{stem}.log", timeout, _log_event)
+    res["load_average"] = [load0, _loadavg()]
+    dt = time.perf_counter() - t0
+    if res["status"] == "ok":
+        peak = res.get("peak_memory_mib")
+        _log(f"{tag}: ok in {dt:.1f} s" + (f", peak memory {peak:.0f} MiB" if peak else ""))
+    else:
+        _log(f"{tag}: {res['status'].upper()} in {dt:.1f} s - {res['reason']}")
+        if res["status"] == "error":
+            _log(f"    log: {log_dir / (stem + '.log')}")
+    return res
+
+
+def add_ceilings(doc: dict, base: dict, suites, batch: int) -> None:
+    """The baseline's self-repetition per suite: what lookup methods can reach."""
+    for s in suites:
+        entry = next((e for e in base.get("suites", []) if e["name"] == s.name), None)
+        rep = (repetition.pooled(zip(s.prompts, entry["outputs"]))
+               if entry else {"with_prompt": None, "without_prompt": None,
+                              "response_tokens": 0, "num_outputs": 0})
+        doc["ceilings"].append({
+            "suite": s.name, "batch_size": batch,
+            "self_repetition": rep["without_prompt"],
+            "self_repetition_with_prompt": rep["with_prompt"],
+            "response_tokens": rep["response_tokens"],
+            "num_outputs": rep["num_outputs"]})
+
+
+def add_records(doc: dict, m: dict, batch: int, res: dict, base: dict, suites, args,
+                corrupt_method, lossy: list[str], failed: list[str]) -> None:
+    """One record per suite of a configuration, compared with the baseline."""
+    for s in suites:
+        entry = next((e for e in res.get("suites", []) if e["name"] == s.name), None)
+        base_entry = next((e for e in base.get("suites", []) if e["name"] == s.name), None)
+        ceiling = next((c for c in doc["ceilings"]
+                        if c["suite"] == s.name and c["batch_size"] == batch), None)
+        rec = build_record(m, s.name, batch, res, entry, base_entry, ceiling,
+                           len(s.prompts), corrupt_method, args.save_outputs)
+        doc["records"].append(rec)
+        if rec["status"] == "error":
+            failed.append(f"{m['name']} {s.name} batch={batch}")
+        if rec["identical"] is False:
+            msg = (f"{m['name']} on {s.name} batch={batch}: "
+                   f"{rec['identical_fraction']:.0%} of outputs identical to none, "
+                   f"{rec['token_match_rate']:.1%} of tokens match up to the first "
+                   f"divergence; first: {rec['mismatches'][:3]}")
+            if doc["run"]["lossless_check"] == "strict":
+                lossy.append(msg)
+                _log(f"!!!!! LOSSY in {args.dtype}: {msg}")
             else:
-                _log(f"{tag}: {res['status'].upper()} in {dt:.1f} s - {res['reason']}")
-                if res["status"] == "error":
-                    _log(f"    log: {log_dir / (stem + '.log')}")
+                _log(f"    note ({args.dtype}): outputs differ from none: {msg}")
 
-        if m["name"] == "none":
-            base = results[("none", batch)]
-            for s in suites:
-                entry = next((e for e in base.get("suites", []) if e["name"] == s.name), None)
-                rep = (repetition.pooled(zip(s.prompts, entry["outputs"]))
-                       if entry else {"with_prompt": None, "without_prompt": None,
-                                      "response_tokens": 0, "num_outputs": 0})
-                doc["ceilings"].append({
-                    "suite": s.name, "batch_size": batch,
-                    "self_repetition": rep["without_prompt"],
-                    "self_repetition_with_prompt": rep["with_prompt"],
-                    "response_tokens": rep["response_tokens"],
-                    "num_outputs": rep["num_outputs"]})
 
-        res = results[(m["name"], batch)]
-        base = results.get(("none", batch), {})
-        for s in suites:
-            entry = next((e for e in res.get("suites", []) if e["name"] == s.name), None)
-            base_entry = next((e for e in base.get("suites", []) if e["name"] == s.name), None)
-            ceiling = next((c for c in doc["ceilings"]
-                            if c["suite"] == s.name and c["batch_size"] == batch), None)
-            rec = build_record(m, s.name, batch, res, entry, base_entry, ceiling,
-                               len(s.prompts), corrupt_method, args.save_outputs)
-            doc["records"].append(rec)
-            if rec["status"] == "error":
-                failed.append(f"{m['name']} {s.name} batch={batch}")
-            if rec["identical"] is False:
-                msg = (f"{m['name']} on {s.name} batch={batch}: "
-                       f"{rec['identical_fraction']:.0%} of outputs identical to none, "
-                       f"{rec['token_match_rate']:.1%} of tokens match up to the first "
-                       f"divergence; first: {rec['mismatches'][:3]}")
-                if doc["run"]["lossless_check"] == "strict":
-                    lossy.append(msg)
-                    _log(f"!!!!! LOSSY in {args.dtype}: {msg}")
-                else:
-                    _log(f"    note ({args.dtype}): outputs differ from none: {msg}")
-        _write(doc, args.out)
-
+def finish(doc: dict, args, t_start: float, lossy: list[str], failed: list[str]) -> int:
+    """Close the document (exit code, schema check), write it, report."""
     code = 1 if lossy else 3 if failed else 0
     doc["run"].update(finished_at=_now(), total_seconds=time.perf_counter() - t_start,
                       complete=True, exit_code=code)
@@ -721,6 +682,83 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         _log(f"\n{len(failed)} configuration results failed at run time: {', '.join(failed)}")
     return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    started = _now()
+    corrupt_method = os.environ.get(CORRUPT_ENV) or None
+    if corrupt_method:
+        _log(f"!! TEST-ONLY HOOK {CORRUPT_ENV}={corrupt_method}: one token of its outputs "
+             "is flipped before comparison")
+    model = resolve_model(args)
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.logging.set_verbosity_error()  # "sequence longer than ..." on long prompts
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    cap = model_max_len(model) or 8192
+    max_model_len = min(args.max_model_len or min(cap, 8192), cap)
+    ks = [args.num_speculative_tokens] + [
+        o["num_speculative_tokens"] for o in args.options.values()
+        if isinstance(o.get("num_speculative_tokens"), int)]
+    margin = max(ks) + 16  # room for the last step's drafts
+    max_prompt_len = max_model_len - args.max_tokens - margin
+    if max_prompt_len < 8:
+        _log(f"error: --max-model-len {max_model_len} leaves no room for prompts "
+             f"with --max-tokens {args.max_tokens}")
+        return 2
+    try:
+        suites, suite_meta = load_suites(args, tokenizer, max_model_len, max_prompt_len)
+    except _Stop as e:
+        _log(f"error: {e}")
+        return 2
+    # Only as long as needed (the CPU KV cache must hold batch x this).
+    longest = max(len(p) for s in suites for p in s.prompts)
+    run_len = min(max_model_len, -(-(longest + args.max_tokens + margin) // 16) * 16)
+    methods = plan_methods(args, model)
+
+    machine = machine_info()
+    if args.dtype == "bfloat16" and machine.get("native_bf16") is False:
+        _log("WARNING: this CPU has neither AVX512-BF16 nor AMX: bfloat16 matmuls are "
+             "emulated and far slower than float32 here; consider --dtype float32")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(
+        tempfile.mkdtemp(prefix="specplug-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _log(f"model {model} ({args.dtype}), max_tokens {args.max_tokens}, "
+         f"max_model_len {run_len}, k={args.num_speculative_tokens}, "
+         f"batch sizes {args.batch_sizes}; engine logs in {log_dir}")
+
+    warmup = warmup_prompts(tokenizer, [len(p) for s in suites for p in s.prompts])
+    # KV cache: sized for max(batch) x max_model_len unless the user set
+    # VLLM_CPU_KVCACHE_SPACE (then vLLM uses that), so peak memory is not
+    # dominated by an arbitrary reservation.
+    kv_bytes = (None if os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+                else kv_cache_bytes(model, args.dtype, max(args.batch_sizes) * run_len))
+    doc = new_document(args, argv, started, model, run_len, methods, suite_meta, machine,
+                       kv_bytes, corrupt_method, log_dir)
+    job_base = {"model": model, "dtype": args.dtype, "max_model_len": run_len, "seed": 0,
+                "kv_cache_bytes": kv_bytes, "max_tokens": args.max_tokens,
+                "ignore_eos": args.ignore_eos, "warmup_prompts": warmup,
+                "suites": [{"name": s.name, "prompts": s.prompts} for s in suites]}
+
+    results: dict[tuple[str, int], dict] = {}
+    configs = [(b, m) for b in args.batch_sizes for m in methods]
+    lossy: list[str] = []
+    failed: list[str] = []
+    for i, (batch, m) in enumerate(configs, 1):
+        tag = f"[{i}/{len(configs)}] {m['name']} ({m['kind']}) batch={batch}"
+        stem = f"{i:02d}_{m['name']}_b{batch}"
+        res = results[(m["name"], batch)] = run_one(
+            tag, stem, m, batch, job_base, suites, machine, log_dir, args.timeout)
+        if m["name"] == "none":
+            add_ceilings(doc, res, suites, batch)
+        add_records(doc, m, batch, res, results.get(("none", batch), {}), suites, args,
+                    corrupt_method, lossy, failed)
+        _write(doc, args.out)
+    return finish(doc, args, t_start, lossy, failed)
 
 
 def _write(doc: dict, path: str) -> None:

@@ -132,16 +132,16 @@ def pipeline(tmp_path_factory):
     import torch
 
     torch.set_num_threads(1)
-    from vllm_specplug.eagle3.train import train
+    from vllm_specplug.eagle3.train import TrainConfig, train
 
     base = tmp_path_factory.mktemp("eagle3")
     target = _tiny()
     data, head = str(base / "data"), str(base / "head")
     man = _isolated(_gen_data, target, data)
     # resumable: a second run only re-reads what exists
-    res = train(data, head, draft_vocab_size=300, ttt_steps=4, max_updates=24, batch_size=4,
-                lr=3e-3, warmup=2, eval_samples=4, save_every=12, log_every=4, threads=1,
-                progress=False)
+    res = train(data, head, TrainConfig(
+        draft_vocab_size=300, ttt_steps=4, max_updates=24, batch_size=4, lr=3e-3, warmup=2,
+        eval_samples=4, save_every=12, log_every=4, threads=1, progress=False))
     return {"target": target, "data": data, "head": head, "manifest": man, "result": res}
 
 
@@ -174,7 +174,7 @@ def test_data_and_training(pipeline):
 @pytest.mark.engine
 def test_resume_is_a_no_op_when_done(pipeline):
     from vllm_specplug.eagle3.data import generate_data
-    from vllm_specplug.eagle3.train import train
+    from vllm_specplug.eagle3.train import TrainConfig, train
 
     # everything exists: no engine is started, nothing is recomputed
     man = generate_data(pipeline["target"], pipeline["data"],
@@ -182,8 +182,9 @@ def test_resume_is_a_no_op_when_done(pipeline):
                         max_prompt_tokens=400, shard_size=12)
     assert man["num_samples"] == pipeline["manifest"]["num_samples"]
     assert man["seconds_last_run"]["generate"] < 1.0
-    res = train(pipeline["data"], pipeline["head"], draft_vocab_size=300, ttt_steps=4,
-                max_updates=24, batch_size=4, eval_samples=4, threads=1, progress=False)
+    res = train(pipeline["data"], pipeline["head"], TrainConfig(
+        draft_vocab_size=300, ttt_steps=4, max_updates=24, batch_size=4, eval_samples=4,
+        threads=1, progress=False))
     assert res["update"] == 24
 
 
@@ -191,14 +192,14 @@ def test_resume_is_a_no_op_when_done(pipeline):
 def test_init_from_continues_a_saved_head(pipeline, tmp_path):
     """--init-from starts where a saved head is (same eval loss, same draft
     vocabulary), not from scratch, and records where it came from."""
-    from vllm_specplug.eagle3.train import train
+    from vllm_specplug.eagle3.train import TrainConfig, train
 
     with open(os.path.join(pipeline["head"], "specplug_eagle3.json"), encoding="utf-8") as f:
         before = json.load(f)
     out = str(tmp_path / "more")
-    res = train(pipeline["data"], out, init_from=pipeline["head"], ttt_steps=4, max_updates=4,
-                batch_size=4, lr=1e-3, warmup=1, eval_samples=4, save_every=100, log_every=2,
-                threads=1, progress=False)
+    res = train(pipeline["data"], out, TrainConfig(
+        init_from=pipeline["head"], ttt_steps=4, max_updates=4, batch_size=4, lr=1e-3,
+        warmup=1, eval_samples=4, save_every=100, log_every=2, threads=1, progress=False))
     start = res["history"]["eval"][0]
     assert start["loss"] == pytest.approx(before["eval"]["loss"], rel=0.02)
     # a from-scratch head starts far higher

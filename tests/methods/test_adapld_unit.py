@@ -27,7 +27,7 @@ from vllm_specplug.sources.retrieval import (
     successor_paths,
 )
 from vllm_specplug.sources.context_memory import ContextMemory
-from tests.methods.budget import propose
+from tests.methods.budget import propose, tree_paths
 
 V, H = 64, 4
 
@@ -279,7 +279,7 @@ def test_proposer_lexical_hit_main_branches_successors():
     tree.validate()
     assert tree.tokens[:4] == [2, 3, 4, 20]  # copy after the anchor
     # branches 20 -> successor 6 (pos 5 -> 6), 21 -> successor 1 (pos 7 -> 8)
-    paths = {tuple(tree.tokens[i] for i in tree.path_to(n)) for n in range(len(tree))}
+    paths = set(tree_paths(tree))
     assert {(20,), (20, 6), (21,), (21, 1)} <= paths
     s = p.report()
     assert s["lexical_hits"] == 1 and s["drafts_lexical"] == 1 and s["lexical_hit_rate"] == 1

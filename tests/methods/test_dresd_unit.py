@@ -18,7 +18,7 @@ from vllm_specplug.datastore import build
 from vllm_specplug.datastore.dense import DatastoreError
 from vllm_specplug.engine.interface import Needs, ProposerContext, StepRequest
 from vllm_specplug.methods.dresd import DReSDConfig, DReSDProposer
-from tests.methods.budget import propose
+from tests.methods.budget import propose, tree_paths
 
 WORDS = ("one two three four five six seven eight nine ten river dog cat tree leaf "
          "draft target sample branch verify").split()
@@ -83,7 +83,7 @@ def _req(store, doc: int, t: int, *, last: int | None = None, rid="r", **kw) -> 
 def _paths(tree) -> list[list[int]]:
     ch = tree.children()
     leaves = [i for i in range(len(tree)) if not ch[i + 1]]
-    return [[tree.tokens[j] for j in tree.path_to(i)] for i in leaves]
+    return [list(tree_paths(tree)[i]) for i in leaves]
 
 
 def _allowed(store, last: int) -> set[tuple[int, ...]]:

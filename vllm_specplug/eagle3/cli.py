@@ -116,18 +116,13 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from vllm_specplug.eagle3.train import train
+    import dataclasses
 
-    res = train(
-        args.data, args.out, target=args.target, draft_vocab_size=args.draft_vocab_size,
-        ttt_steps=args.ttt_steps, step_weight=args.step_weight, loss=args.loss,
-        epochs=args.epochs, max_updates=args.max_updates, batch_size=args.batch_size,
-        lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
-        max_len=args.max_len, eval_samples=args.eval_samples, eval_every=args.eval_every,
-        save_every=args.save_every, log_every=args.log_every, head_dtype=args.head_dtype,
-        seed=args.seed, threads=args.threads, checkpoint_dir=args.checkpoint_dir,
-        intermediate_size=args.intermediate_size, max_minutes=args.max_minutes,
-        init_from=args.init_from)
+    from vllm_specplug.eagle3.train import TrainConfig, train
+
+    opts = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+            if hasattr(args, f.name)}
+    res = train(args.data, args.out, TrainConfig(**opts))
     print(json.dumps({"update": res["update"], "total": res["total"], "eval": res["eval"]},
                      indent=1))
     return 0

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["train", "load_target_weights", "plot_curves"]
@@ -285,22 +286,67 @@ def _lr_at(update: int, total: int, warmup: int, lr: float, min_ratio: float = 0
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def train(data_dir: str, out_dir: str, *, target: str | None = None,
-          draft_vocab_size: int = 0, ttt_steps: int = 7, step_weight: float = 0.8,
-          loss: str = "kl", epochs: float = 1.0, max_updates: int | None = None,
-          batch_size: int = 8, lr: float = 5e-4, warmup: int = 20, weight_decay: float = 0.0,
-          clip: float = 0.5, max_len: int = 2048, eval_samples: int = 16,
-          eval_every: int = 50, save_every: int = 50, log_every: int = 5,
-          head_dtype: str = "float16", seed: int = 0, threads: int | None = None,
-          checkpoint_dir: str | None = None, max_shards: int | None = None,
-          intermediate_size: int | None = None, max_minutes: float | None = None,
-          init_from: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train (or resume) a head; returns the final metrics.
+@dataclass(frozen=True)
+class TrainConfig:
+    """How ``train`` trains a head (``specplug eagle3 train``'s options)."""
 
-    ``init_from``: a saved head folder to start from (its weights, draft
-    vocabulary and shape; ``draft_vocab_size`` and ``intermediate_size`` are
-    then taken from it), e.g. to go on training a shipped head on more data.
-    Ignored when a checkpoint in ``out_dir`` resumes a run."""
+    target: str | None = None
+    """Target model folder; None: the one recorded in the data."""
+    draft_vocab_size: int = 0
+    """Draft vocabulary (most frequent response tokens); 0: the target's."""
+    ttt_steps: int = 7
+    """Unrolled draft steps (training-time test)."""
+    step_weight: float = 0.8
+    """Loss weight of step ``k`` is ``step_weight ** k``."""
+    loss: str = "kl"
+    """``kl`` (to the target's distribution) or ``ce`` (to its argmax)."""
+    epochs: float = 1.0
+    """Passes over the training samples (unless ``max_updates``)."""
+    max_updates: int | None = None
+    """Updates to run; overrides ``epochs``."""
+    batch_size: int = 8
+    """Samples per update."""
+    lr: float = 5e-4
+    """Peak learning rate (AdamW)."""
+    warmup: int = 20
+    """Linear warm-up updates."""
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    """Gradient-norm clip."""
+    max_len: int = 2048
+    """Samples are truncated to this many tokens."""
+    eval_samples: int = 16
+    """Held-out samples (at most a fifth of the data)."""
+    eval_every: int = 50
+    save_every: int = 50
+    """Updates between checkpoints (each one evaluates)."""
+    log_every: int = 5
+    head_dtype: str = "float16"
+    """dtype of the saved head."""
+    seed: int = 0
+    threads: int | None = None
+    """torch intra-op threads; None: torch's default."""
+    checkpoint_dir: str | None = None
+    """Resumable state; None: ``OUT/checkpoint``."""
+    max_shards: int | None = None
+    """Use only the first shards of the data."""
+    intermediate_size: int | None = None
+    """MLP width; None: the target's."""
+    max_minutes: float | None = None
+    """Stop (and save, resumable) after this long."""
+    init_from: str | None = None
+    """A saved head folder to start from (its weights, draft vocabulary and
+    shape; ``draft_vocab_size`` and ``intermediate_size`` are then taken
+    from it), e.g. to go on training a shipped head on more data. Ignored
+    when a checkpoint in ``out_dir`` resumes a run."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def train(data_dir: str, out_dir: str, tc: TrainConfig | None = None) -> dict[str, Any]:
+    """Train (or resume) a head on the data folder ``data_dir`` into
+    ``out_dir``; returns the final metrics."""
+    tc = tc or TrainConfig()
     import torch
     from tqdm import tqdm
 
@@ -309,35 +355,35 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     from vllm_specplug.eagle3.model import (TRAIN_META_NAME, Eagle3Draft, build_head_config,
                                              load_head, save_head, vocab_mapping)
 
-    if threads:
-        torch.set_num_threads(threads)
-    if loss not in ("kl", "ce"):
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    if tc.loss not in ("kl", "ce"):
         raise ValueError("loss must be 'kl' or 'ce'")
     t_start = time.time()
-    data = ShardData(data_dir, max_shards=max_shards)
+    data = ShardData(data_dir, max_shards=tc.max_shards)
     man = data.manifest
-    target = target or man["target"]
+    target = tc.target or man["target"]
     tcfg = target_config(target)
     vocab = int(tcfg["vocab_size"])
     samples = list(data.samples)
-    rng = random.Random(seed)
+    rng = random.Random(tc.seed)
     order = list(range(len(samples)))
     rng.shuffle(order)
-    n_eval = min(eval_samples, max(0, len(samples) // 5))
+    n_eval = min(tc.eval_samples, max(0, len(samples) // 5))
     eval_set = [samples[i] for i in order[:n_eval]]
     train_set = [samples[i] for i in order[n_eval:]]
     if not train_set:
         raise ValueError(f"no training samples in {data_dir}")
     tw = load_target_weights(target)
 
-    ckpt_dir = checkpoint_dir or os.path.join(out_dir, "checkpoint")
+    ckpt_dir = tc.checkpoint_dir or os.path.join(out_dir, "checkpoint")
     ckpt = os.path.join(ckpt_dir, "state.pt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False) if os.path.exists(ckpt) else None
 
     init = None
-    if state is None and init_from:
-        init = load_head(init_from, tw["embed"])
-        _check_init_head(init.cfg, tcfg, tuple(man["aux_layers"]), init_from)
+    if state is None and tc.init_from:
+        init = load_head(tc.init_from, tw["embed"])
+        _check_init_head(init.cfg, tcfg, tuple(man["aux_layers"]), tc.init_from)
 
     # draft vocabulary
     if state is not None:
@@ -348,7 +394,7 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
         d2t, t2d, cfg = init.d2t, init.t2d, dict(init.cfg)
         coverage = _coverage(token_counts(train_set, vocab), init.t2d)
     else:
-        vd = vocab if not draft_vocab_size or draft_vocab_size >= vocab else int(draft_vocab_size)
+        vd = vocab if not tc.draft_vocab_size or tc.draft_vocab_size >= vocab else int(tc.draft_vocab_size)
         counts = token_counts(train_set, vocab)
         all_counts = token_counts(train_set, vocab, response_only=False)
         if vd < vocab:
@@ -370,8 +416,8 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
             coverage = 1.0
         d2t, t2d = vocab_mapping(used, vocab)
         cfg = build_head_config(tcfg, tuple(man["aux_layers"]), len(set(used)),
-                                intermediate_size=intermediate_size, dtype=head_dtype)
-    torch.manual_seed(seed)
+                                intermediate_size=tc.intermediate_size, dtype=tc.head_dtype)
+    torch.manual_seed(tc.seed)
     model = Eagle3Draft(cfg, tw["embed"], d2t if cfg["draft_vocab_size"] != vocab else None,
                         t2d if cfg["draft_vocab_size"] != vocab else None)
     draft_rows = tw["lm_head"][(torch.arange(cfg["draft_vocab_size"]) + model.d2t).long()]
@@ -382,23 +428,23 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
     else:
         model.init_from_target(tw["lm_head"], tw["norm"])
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-    updates_per_epoch = math.ceil(len(train_set) / batch_size)
-    total = max_updates if max_updates is not None else max(1, int(epochs * updates_per_epoch))
+    updates_per_epoch = math.ceil(len(train_set) / tc.batch_size)
+    total = tc.max_updates if tc.max_updates is not None else max(1, int(tc.epochs * updates_per_epoch))
     update = state["update"] if state else 0
     history = state["history"] if state else {"train": [], "eval": []}
-    weights = [step_weight ** k for k in range(ttt_steps)]
-    kw = dict(steps=ttt_steps, loss=loss, target_head=tw["lm_head"], draft_rows=draft_rows,
-              max_len=max_len, weights=weights)
+    weights = [tc.step_weight ** k for k in range(tc.ttt_steps)]
+    kw = dict(steps=tc.ttt_steps, loss=tc.loss, target_head=tw["lm_head"], draft_rows=draft_rows,
+              max_len=tc.max_len, weights=weights)
     n_params = sum(p.numel() for p in model.parameters())
     _log(f"{len(train_set)} train / {len(eval_set)} eval samples; draft vocab "
          f"{cfg['draft_vocab_size']} (covers {coverage:.1%} of response tokens); "
-         f"{n_params / 1e6:.2f}M params; {total} updates of {batch_size} samples; "
+         f"{n_params / 1e6:.2f}M params; {total} updates of {tc.batch_size} samples; "
          f"start at update {update}")
 
-    init_meta = state.get("init_from") if state else _head_record(init_from) if init else None
+    init_meta = state.get("init_from") if state else _head_record(tc.init_from) if init else None
 
     def save(final: bool = False) -> dict[str, Any]:
         os.makedirs(ckpt_dir, exist_ok=True)
@@ -416,14 +462,14 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
             "data": {k: man.get(k) for k in ("num_prompts", "num_samples", "num_tokens",
                                              "num_response_tokens", "max_new_tokens",
                                              "temperature", "aux_layers")},
-            "train": {"updates": update, "total_updates": total, "batch_size": batch_size,
-                      "ttt_steps": ttt_steps, "step_weight": step_weight, "loss": loss,
-                      "lr": lr, "draft_vocab_size": cfg["draft_vocab_size"],
+            "train": {"updates": update, "total_updates": total, "batch_size": tc.batch_size,
+                      "ttt_steps": tc.ttt_steps, "step_weight": tc.step_weight, "loss": tc.loss,
+                      "lr": tc.lr, "draft_vocab_size": cfg["draft_vocab_size"],
                       "vocab_coverage": coverage, "train_samples": len(train_set),
                       "eval_samples": len(eval_set), "init_from": init_meta},
             "eval": ev, "final": final,
         }
-        save_head(model, out_dir, dtype=head_dtype, extra_meta=meta)
+        save_head(model, out_dir, dtype=tc.head_dtype, extra_meta=meta)
         with open(os.path.join(out_dir, "curves.json.tmp"), "w", encoding="utf-8") as f:
             json.dump(history, f)
         os.replace(os.path.join(out_dir, "curves.json.tmp"), os.path.join(out_dir, "curves.json"))
@@ -435,18 +481,18 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
         _log(f"eval @0: {_fmt(history['eval'][-1])}")
     model.train()
     # deterministic per-epoch order, resumable at any update
-    bar = tqdm(total=total, initial=update, desc="train", unit="upd", disable=not progress)
-    window: list[dict] = [dict() for _ in range(ttt_steps)]
+    bar = tqdm(total=total, initial=update, desc="train", unit="upd", disable=not tc.progress)
+    window: list[dict] = [dict() for _ in range(tc.ttt_steps)]
     t_win = time.time()
     while update < total:
-        epoch, pos = divmod(update * batch_size, len(train_set))
+        epoch, pos = divmod(update * tc.batch_size, len(train_set))
         perm = list(range(len(train_set)))
-        random.Random(seed * 1000 + epoch).shuffle(perm)
-        batch = [train_set[i] for i in perm[pos:pos + batch_size]]
-        counts = [_count_positions(s, ttt_steps, loss, model, tw["lm_head"], draft_rows, max_len)
+        random.Random(tc.seed * 1000 + epoch).shuffle(perm)
+        batch = [train_set[i] for i in perm[pos:pos + tc.batch_size]]
+        counts = [_count_positions(s, tc.ttt_steps, tc.loss, model, tw["lm_head"], draft_rows, tc.max_len)
                   for s in batch]
-        norms = [float(sum(c[k] for c in counts)) for k in range(ttt_steps)]
-        cur_lr = _lr_at(update, total, warmup, lr)
+        norms = [float(sum(c[k] for c in counts)) for k in range(tc.ttt_steps)]
+        cur_lr = _lr_at(update, total, tc.warmup, tc.lr)
         for g in opt.param_groups:
             g["lr"] = cur_lr
         opt.zero_grad(set_to_none=True)
@@ -455,25 +501,25 @@ def train(data_dir: str, out_dir: str, *, target: str | None = None,
             if lossv is not None:
                 lossv.backward()
             _merge(window, st)
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        torch.nn.utils.clip_grad_norm_(params, tc.clip)
         opt.step()
         update += 1
         bar.update(1)
-        if update % log_every == 0 or update == total:
+        if update % tc.log_every == 0 or update == total:
             sm = _summary(window, weights)
-            dt = (time.time() - t_win) / log_every
-            history["train"].append({"update": update, "epoch": update * batch_size / len(train_set),
+            dt = (time.time() - t_win) / tc.log_every
+            history["train"].append({"update": update, "epoch": update * tc.batch_size / len(train_set),
                                      "lr": cur_lr, "sec_per_update": dt, **sm})
             bar.set_postfix(loss=f"{sm['loss']:.3f}", acc0=f"{sm['acc_k'][0]:.2f}",
                             tau4=f"{sm.get('est_accept_len@4', float('nan')):.2f}")
-            window = [dict() for _ in range(ttt_steps)]
+            window = [dict() for _ in range(tc.ttt_steps)]
             t_win = time.time()
-        if update % save_every == 0 and update < total:
+        if update % tc.save_every == 0 and update < total:
             ev = save()
             if ev:
                 _log(f"eval @{update}: {_fmt(ev)}")
             model.train()
-        if max_minutes is not None and (time.time() - t_start) / 60 > max_minutes:
+        if tc.max_minutes is not None and (time.time() - t_start) / 60 > tc.max_minutes:
             _log(f"time budget reached at update {update}; saving (resume by rerunning)")
             break
     bar.close()

@@ -128,7 +128,6 @@ class ProposerContext:
     embed_tokens: torch.Tensor | None = None
     """The target's input embedding matrix ``[vocab, hidden]`` (read-only)."""
     num_hidden_layers: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -114,14 +114,6 @@ class DraftTree:
             node, depth = nxt, depth + 1
         return node, depth
 
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root's child down to ``node``."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
     def first_path(self) -> DraftTree:
         """The chain that follows the first child at every level."""
         children = self.children()
