@@ -50,6 +50,13 @@ class MethodConfig(BaseModel):
         extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True
     )
 
+    cost_aware: bool = True
+    """Cut every step's trees to what pays: a controller shared by every
+    method (``engine/budget.py``) picks each request's tree size, zero
+    included, to maximise expected tokens per second from the step time it
+    measures and the acceptance it observes. False pins the size: every tree
+    the method drafts is verified, up to ``num_speculative_tokens`` nodes."""
+
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
 

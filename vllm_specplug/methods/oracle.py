@@ -24,6 +24,9 @@ from vllm_specplug.engine.tree import DraftTree, TrieBuilder
 
 
 class OracleConfig(MethodConfig):
+    cost_aware: bool = False
+    """Off: the oracle exists to verify trees of exactly the size asked for
+    (engine tests, the verification-cost benchmark)."""
     reference_file: str | None = None
     """JSON file: a list of token-id lists (prompt + greedy output). Not
     needed in ``noise`` mode."""

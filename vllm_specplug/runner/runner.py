@@ -36,6 +36,7 @@ from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
+from vllm_specplug.engine.budget import BudgetController
 from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_budget
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
@@ -112,6 +113,20 @@ def path_chain_metadata(paths, drafts, row_base, device):
         logits_indices=t(np.arange(len(gather))),
     )
     return meta, torch.as_tensor(gather, device=device), tokens
+
+
+def _tp_rank0_float(x: float) -> float:
+    """``x`` as the first tensor-parallel rank has it (a no-op without TP):
+    decisions taken from wall-clock times must be the same on every rank,
+    or the ranks would verify different trees."""
+    from vllm.distributed import get_tp_group
+
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    torch.distributed.broadcast(t, src=tp.ranks[0], group=tp.cpu_group)
+    return float(t[0])
 
 
 class SpecplugDrafter:
@@ -194,6 +209,8 @@ class SpecplugRunnerMixin:
         # Trees with per-node sources, by request: (tree, history length
         # when drafted), scored when the next step says what was accepted.
         self._sp_sourced: dict[str, tuple[DraftTree, int]] = {}
+        self._sp_budget: BudgetController | None = None
+        self._sp_step_t0: float | None = None
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -215,6 +232,8 @@ class SpecplugRunnerMixin:
             num_hidden_layers=self.model_config.get_total_num_hidden_layers(),
         )
         self._sp_proposer = cls(config, ctx)
+        if config.cost_aware:
+            self._sp_budget = BudgetController()
         self._sp_needs = self._sp_proposer.needs()
         if self._sp_needs.hidden_layer is not None:
             # vLLM's aux layer i is the residual stream entering layer i, so
@@ -303,6 +322,8 @@ class SpecplugRunnerMixin:
         gone = set(scheduler_output.finished_req_ids) | preempted
         for rid in gone:
             self._sp_trees.pop(rid, None)
+            if self._sp_budget is not None:
+                self._sp_budget.forget(rid)
             if prop is not None:
                 prop.remove_request(rid)
         out = super()._update_states(scheduler_output)
@@ -427,12 +448,20 @@ class SpecplugRunnerMixin:
         move_accepted_kv(step, moves)
 
     # ---------------------------------------------------------- drafting
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        # start of the step's clock (forward + verification), for the
+        # cost-aware budget's step-cost curve
+        self._sp_step_t0 = time.perf_counter()
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
                                 sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states,
                                 spec_decode_metadata, common_attn_metadata,
                                 slot_mappings):
         t0 = time.perf_counter()
+        step_seconds = t0 - self._sp_step_t0 if self._sp_step_t0 is not None else 0.0
+        all_decode = True
         needs = self._sp_needs
         qsl = self.query_start_loc.np
         batch: list[StepRequest] = []
@@ -443,6 +472,7 @@ class SpecplugRunnerMixin:
             ntok = int(self.input_batch.num_tokens_no_spec[i])
             n_prompt = int(self.input_batch.num_prompt_tokens[i])
             is_decode = rid in scheduled or (n_sched == 1 and c >= n_prompt)
+            all_decode &= is_decode
             rel = self._sp_rows.get(i, [0]) if is_decode else list(range(n_sched))
             rows = torch.as_tensor(qsl[i] + np.asarray(rel), device=hidden_states.device)
             req = self.requests.get(rid)
@@ -473,15 +503,24 @@ class SpecplugRunnerMixin:
         t1 = time.perf_counter()
         trees = self._sp_proposer.propose(batch)
         t2 = time.perf_counter()
-        drafts: list[list[int]] = []
+        kept: list[DraftTree | None] = []
         for sreq, tree in zip(batch, trees):
             if tree is None or sreq.budget <= 0:
-                self._sp_trees.pop(sreq.req_id, None)
-                drafts.append([])
+                kept.append(None)
                 continue
             tree = normalize_tree(tree, sreq.budget)
             if sreq.chain_only and not tree.is_chain():
                 tree = tree.first_path()
+            kept.append(tree)
+        if self._sp_budget is not None:
+            kept = self._sp_apply_budget(batch, kept, scheduler_output,
+                                         step_seconds if all_decode else 0.0)
+        drafts: list[list[int]] = []
+        for sreq, tree in zip(batch, kept):
+            if tree is None or not len(tree):
+                self._sp_trees.pop(sreq.req_id, None)
+                drafts.append([])
+                continue
             self._sp_trees[sreq.req_id] = tree
             if tree.sources is not None:
                 self._sp_sourced[sreq.req_id] = (tree, len(sreq.token_ids))
@@ -500,6 +539,26 @@ class SpecplugRunnerMixin:
         if tree is not None and sreq.draft_kept > 0:
             self._sp_stats.record_sources(tree.truncated(sreq.draft_kept),
                                           sreq.token_ids[base:-1])
+
+    def _sp_apply_budget(self, batch, trees, scheduler_output, step_seconds):
+        """Cut the step's trees to what pays (``engine/budget.py``).
+
+        ``step_seconds``: this step's forward + verification time, 0 unless
+        every request decoded (prefill chunks do not belong on the curve).
+        Every tensor-parallel rank must cut alike, so the time is rank 0's.
+        """
+        ctl = self._sp_budget
+        step_seconds = _tp_rank0_float(step_seconds)
+        if step_seconds > 0:
+            ctl.observe_step(scheduler_output.total_num_scheduled_tokens, step_seconds)
+        for i, sreq in enumerate(batch):
+            rows = self._sp_rows.get(i)
+            accepted = len(rows) - 1 if rows is not None and sreq.draft_kept else None
+            ctl.learn(sreq.req_id, sreq.token_ids, accepted)
+        cut, _ = ctl.choose([s.req_id for s in batch], trees,
+                            [len(s.token_ids) for s in batch],
+                            rows=sum(1 for s in batch if s.sampled))
+        return cut
 
     def _sp_fill_topk(self, sreq, i, rel, is_decode, hidden_states, rows, qsl,
                       n_sched) -> None:
@@ -529,6 +588,8 @@ class SpecplugRunnerMixin:
     # --------------------------------------------------------------- stats
     def specplug_stats(self) -> dict[str, Any]:
         stats = self._sp_stats.as_dict()
+        if self._sp_budget is not None:
+            stats["budget"] = self._sp_budget.as_dict()
         if self._sp_proposer is not None:
             own = self._sp_proposer.stats()
             stats["method"] = self._sp_proposer.report(own)

@@ -1,0 +1,156 @@
+"""The cost-aware budget controller, on hand-made trees, costs and truths.
+
+Expected values are worked out by hand or by brute force over every
+parent-closed subset, never by the controller's own code path.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vllm_specplug.engine.budget import (
+    AcceptanceModel,
+    BudgetController,
+    StepCost,
+    shadow_outcomes,
+    subtree,
+)
+from vllm_specplug.engine.tree import DraftTree
+
+#        root
+#       /    \
+#     5(0)   7(1)
+#     /  \      \
+#   6(2) 9(3)   8(4)
+#    |
+#   4(5)
+TREE = DraftTree([5, 7, 6, 9, 8, 4], [-1, -1, 0, 0, 1, 2])
+
+
+def test_shadow_outcomes_follow_the_truth():
+    out, done = shadow_outcomes(TREE, [5, 6, 4, 1])
+    # depth 1: 5 ok (rank 0), 7 no (rank 1); depth 2 under 5: 6 ok, 9 no;
+    # depth 3 under 6: 4 ok; 4 is a leaf: complete
+    assert out == [(1, 0, True), (1, 1, False), (2, 0, True), (2, 1, False), (3, 0, True)]
+    assert done
+
+
+def test_shadow_outcomes_wait_for_unknown_tokens():
+    out, done = shadow_outcomes(TREE, [5])
+    assert out == [(1, 0, True), (1, 1, False)]
+    assert not done
+    out, done = shadow_outcomes(TREE, [7, 3])
+    assert out == [(1, 0, False), (1, 1, True), (2, 0, False)]
+    assert done
+    out, done = shadow_outcomes(TREE, [])
+    assert out == [] and not done
+
+
+def test_sibling_rank_uses_scores_when_present():
+    t = DraftTree([5, 7], [-1, -1], scores=[-2.0, -0.5])
+    out, _ = shadow_outcomes(t, [5])
+    assert out == [(1, 1, True), (1, 0, False)]
+
+
+def test_subtree_keeps_metadata_and_order():
+    t = DraftTree(TREE.tokens, TREE.parents, scores=[0, 1, 2, 3, 4, 5],
+                  sources=list("abcdef"))
+    keep = np.array([True, False, True, False, False, True])
+    s = subtree(t, keep)
+    assert s.tokens == [5, 6, 4] and s.parents == [-1, 0, 1]
+    assert s.scores == [0, 2, 5] and s.sources == ["a", "c", "f"]
+
+
+def test_step_cost_interpolates_and_extrapolates_optimistically():
+    c = StepCost()
+    assert not c.known and c(8) == 0.0
+    c.observe(4, 0.040)
+    c.observe(16, 0.100)
+    assert c(4) == pytest.approx(0.040)
+    assert c(16) == pytest.approx(0.100)
+    assert c(10) == pytest.approx(0.070)  # halfway between 4 and 16
+    assert c(64) == pytest.approx(0.100)  # flat above the largest seen
+    assert c(2) == pytest.approx(0.020)  # proportional below the smallest seen
+    c.observe(4, 0.060)  # EMA, alpha 0.2
+    assert c(4) == pytest.approx(0.044)
+
+
+def _closed_subsets(tree: DraftTree):
+    n = len(tree)
+    for bits in itertools.product([False, True], repeat=n):
+        if all(not b or p < 0 or bits[p] for b, p in zip(bits, tree.parents)):
+            yield np.array(bits)
+
+
+def _path_probs(tree: DraftTree, cond: dict[tuple[int, int], float]) -> np.ndarray:
+    # unconditional acceptance by hand: product of per-(depth, rank) rates
+    depths = tree.depths()
+    ranks = {}
+    for kids in tree.children():
+        for r, c in enumerate(kids):
+            ranks[c] = r
+    out = np.zeros(len(tree))
+    for i, p in enumerate(tree.parents):
+        out[i] = cond[(int(depths[i]), min(ranks[i], 1))] * (1 if p < 0 else out[p])
+    return out
+
+
+@pytest.mark.parametrize("slope", [0.0, 0.002, 0.01, 0.05])
+def test_choice_is_the_brute_force_optimum(slope):
+    # a hand-set acceptance model: depth 1 rank 0 accepted 80% of the time,
+    # deeper rank-0 nodes 60%, other ranks 10% (no prior: lots of evidence)
+    cond = {(d, r): (0.8 if d == 1 else 0.6) if r == 0 else 0.1
+            for d in range(1, 9) for r in range(2)}
+    model = AcceptanceModel(max_depth=8, max_rank=2, prior_weight=1e-9)
+    for (d, r), p in cond.items():
+        model.engine.seen[d - 1, r] = 1e6
+        model.engine.acc[d - 1, r] = p * 1e6
+    cost = StepCost()
+    for rows in range(1, 40):  # T(R) = 50 ms + slope * (R - 1)
+        cost.observe(rows, 0.050 + slope * (rows - 1))
+    ctl = BudgetController(model, cost)
+    other = DraftTree([1, 2, 3, 4], [-1, 0, 1, -1])
+    trees = [TREE, other]
+    cut, choice = ctl.choose(["a", "b"], trees, [10, 10], rows=2)
+
+    probs = [_path_probs(t, cond) for t in trees]
+    best = 2 / cost(2)
+    for ka in _closed_subsets(TREE):
+        for kb in _closed_subsets(other):
+            n = int(ka.sum() + kb.sum())
+            rate = (2 + probs[0][ka].sum() + probs[1][kb].sum()) / cost(2 + n)
+            best = max(best, rate)
+    assert choice.expected_rate == pytest.approx(best)
+    assert choice.expected_rate >= choice.plain_rate
+    if slope == 0.0:
+        assert choice.sizes == [6, 4]  # free rows: verify everything
+    if slope == 0.05:
+        assert choice.sizes == [0, 0]  # a row costs as much as a plain step
+        assert cut == [None, None]
+
+
+def test_unknown_cost_verifies_everything():
+    ctl = BudgetController()
+    cut, choice = ctl.choose(["a"], [TREE], [3], rows=1)
+    assert choice.sizes == [len(TREE)] and cut[0].tokens == TREE.tokens
+
+
+def test_learning_from_shadow_outcomes():
+    # every first child is right, every other child wrong: the estimates of
+    # rank 0 go to ~1 and of rank 1 to ~0, per request and engine-wide
+    ctl = BudgetController(AcceptanceModel(max_depth=4, max_rank=2))
+    history = list(range(100, 110))
+    tree = DraftTree([50, 60, 51, 61], [-1, -1, 0, 0])  # truth is 50, 51
+    for step in range(40):
+        ctl.choose(["r"], [tree], [len(history)], rows=1)
+        history += [50, 51, 7]
+        ctl.learn("r", np.asarray(history))
+    rates = ctl.acceptance.rates("r")
+    assert rates[0, 0] > 0.95 and rates[1, 0] > 0.95
+    assert rates[0, 1] < 0.05 and rates[1, 1] < 0.05
+    assert not ctl._pending["r"]  # all resolved
+    ctl.forget("r")
+    assert "r" not in ctl.acceptance.requests

@@ -1,0 +1,38 @@
+"""The cost-aware budget in the real engine: lossless, and it stops paying
+for trees that are never accepted."""
+
+from __future__ import annotations
+
+from tests.conftest import engine, greedy
+
+PROMPTS = [[(17 * i + 7 * j) % 4000 + 100 for j in range(40)] for i in range(8)]
+
+
+def test_noise_trees_are_cut_to_nothing(ref_model):
+    # random trees accept (almost) nothing: after a few steps of evidence
+    # the controller must stop verifying them, and output stays the target's
+    with engine(ref_model) as llm:
+        ref = greedy(llm, PROMPTS[:2], 48)
+    spec = {"method": "oracle", "mode": "noise", "num_speculative_tokens": 8,
+            "cost_aware": True}
+    with engine(ref_model, spec) as llm:
+        assert greedy(llm, PROMPTS[:2], 48) == ref
+        stats = llm.collective_rpc("specplug_stats")[0]
+    b = stats["budget"]
+    assert b["steps"] > 40
+    assert b["proposed_nodes"] >= 8 * b["steps"] - 16
+    # at most the first steps (before a step time is known, and while the
+    # prior acceptance of 0.3 is being unlearned) verify anything
+    assert b["zero_steps"] >= b["steps"] - 12, b
+    assert b["realised_accepted"] <= 2
+
+
+def test_pld_with_budget_is_lossless_at_batch_8(ref_model):
+    with engine(ref_model) as llm:
+        ref = greedy(llm, PROMPTS, 32)
+    spec = {"method": "pld", "num_speculative_tokens": 8, "tree_branches": 2}
+    with engine(ref_model, spec) as llm:
+        assert greedy(llm, PROMPTS, 32) == ref
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["budget"]["steps"] > 0
+    assert stats["budget"]["step_ms_by_rows"]

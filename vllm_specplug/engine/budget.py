@@ -1,0 +1,365 @@
+"""Cost-aware draft budget: how much of each proposed tree is worth verifying.
+
+A draft node costs a verified row whether it is accepted or not. On a GPU a
+step's time barely grows with its rows; on a CPU, or on a busy GPU, it grows
+with every row, and a tree whose nodes are unlikely to be accepted makes the
+step slower than the tokens it returns. One controller, shared by every
+method, cuts each step's trees (to zero nodes if need be) to maximise
+
+    expected tokens per second = (requests + sum of P(node accepted)) / T(rows)
+
+where ``T`` is the step time as a function of the rows the target verifies,
+learned online from the engine's own steps, and ``P(node accepted)`` comes
+from the acceptance the engine has observed.
+
+Acceptance is estimated without verifying anything extra ("shadow"
+evaluation): every proposed tree, cut or not, is compared with the tokens the
+target actually produced after its root once they are known. A node is
+accepted exactly when its parent was and its token is the next true token
+(greedy: the target's argmax; sampling: the sampled token, which the lossless
+tree rule accepts with probability ``p(token)``, the probability a sample
+equals it). From those outcomes the controller keeps
+``P(accepted | parent accepted)`` by depth and sibling rank, for the whole
+engine and per request (shrunk toward the engine's figure while a request has
+few observations); a node's acceptance is the product along its path.
+
+Step time: knots over the number of verified rows, each an exponential
+moving average of the decode steps measured there. Where no step has been
+measured yet the curve is extrapolated optimistically (flat above the
+largest measured point, proportional below the smallest), so the controller
+tries sizes it does not know yet and learns their cost instead of never
+leaving the sizes it has seen.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_specplug.engine.tree import DraftTree
+
+
+class StepCost:
+    """Step time (seconds) vs rows verified in the step, learned online."""
+
+    def __init__(self, max_rows: int = 1 << 16, ratio: float = 2 ** 0.25,
+                 alpha: float = 0.2) -> None:
+        knots, r = [1], 1.0
+        while knots[-1] < max_rows:
+            r *= ratio
+            if round(r) > knots[-1]:
+                knots.append(int(round(r)))
+        self.knots = knots
+        self.alpha = alpha
+        self.value = np.zeros(len(knots))
+        self.count = np.zeros(len(knots), dtype=np.int64)
+
+    def _knot(self, rows: int) -> int:
+        i = bisect.bisect_left(self.knots, rows)
+        if i == len(self.knots):
+            return i - 1
+        if i > 0 and rows - self.knots[i - 1] < self.knots[i] - rows:
+            return i - 1
+        return i
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows < 1 or not seconds > 0:
+            return
+        k = self._knot(rows)
+        if self.count[k] == 0:
+            self.value[k] = seconds
+        else:
+            self.value[k] += self.alpha * (seconds - self.value[k])
+        self.count[k] += 1
+
+    @property
+    def known(self) -> bool:
+        return bool(self.count.any())
+
+    def __call__(self, rows: int) -> float:
+        """Estimated step time at ``rows``; 0 when nothing was measured yet."""
+        seen = np.flatnonzero(self.count)
+        if seen.size == 0:
+            return 0.0
+        xs = np.asarray(self.knots)[seen].astype(float)
+        ys = self.value[seen]
+        if rows >= xs[-1]:
+            return float(ys[-1])  # optimistic: no dearer than the largest seen
+        if rows <= xs[0]:
+            return float(ys[0] * rows / xs[0])  # optimistic: proportional
+        return float(np.interp(rows, xs, ys))
+
+    def as_dict(self) -> dict:
+        seen = np.flatnonzero(self.count)
+        return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in seen}
+
+
+@dataclass
+class _Rates:
+    """Counts of (accepted, seen) per (depth, rank) bucket."""
+
+    acc: np.ndarray
+    seen: np.ndarray
+
+    @classmethod
+    def empty(cls, depths: int, ranks: int) -> _Rates:
+        return cls(np.zeros((depths, ranks)), np.zeros((depths, ranks)))
+
+    def decay(self, factor: float) -> None:
+        self.acc *= factor
+        self.seen *= factor
+
+
+class AcceptanceModel:
+    """``P(node accepted | parent accepted)`` by depth and sibling rank."""
+
+    def __init__(self, max_depth: int = 8, max_rank: int = 4, prior: float = 0.3,
+                 prior_weight: float = 2.0, request_weight: float = 8.0,
+                 half_life: float = 2000.0) -> None:
+        self.max_depth, self.max_rank = max_depth, max_rank
+        self.prior, self.prior_weight = prior, prior_weight
+        self.request_weight = request_weight
+        # forget old evidence slowly: the workload changes over a server's life
+        self._decay = 0.5 ** (1.0 / half_life)
+        self.engine = _Rates.empty(max_depth, max_rank)
+        self.requests: dict[str, _Rates] = {}
+
+    def _bucket(self, depth: int, rank: int) -> tuple[int, int]:
+        return min(depth, self.max_depth) - 1, min(rank, self.max_rank - 1)
+
+    def rates(self, req_id: str | None) -> np.ndarray:
+        """``[max_depth, max_rank]`` conditional acceptance estimates."""
+        e = self.engine
+        base = (e.acc + self.prior * self.prior_weight) / (e.seen + self.prior_weight)
+        r = self.requests.get(req_id) if req_id is not None else None
+        if r is None:
+            return base
+        return (r.acc + base * self.request_weight) / (r.seen + self.request_weight)
+
+    def node_probs(self, tree: DraftTree, req_id: str | None = None) -> np.ndarray:
+        """Unconditional acceptance probability of every node (product of the
+        conditional estimates along its path); never above its parent's."""
+        rates = self.rates(req_id)
+        ranks = sibling_ranks(tree)
+        out = np.empty(len(tree))
+        for i, p in enumerate(tree.parents):
+            depth = 1 if p < 0 else _depth_of(tree, i)
+            d, r = self._bucket(depth, ranks[i])
+            out[i] = rates[d, r] * (1.0 if p < 0 else out[p])
+        return out
+
+    def observe(self, req_id: str, outcomes: list[tuple[int, int, bool]]) -> None:
+        """``(depth, rank, accepted)`` of nodes whose parent was accepted."""
+        if not outcomes:
+            return
+        self.engine.decay(self._decay ** len(outcomes))
+        req = self.requests.setdefault(req_id, _Rates.empty(self.max_depth, self.max_rank))
+        for depth, rank, ok in outcomes:
+            d, r = self._bucket(depth, rank)
+            for rates in (self.engine, req):
+                rates.seen[d, r] += 1
+                rates.acc[d, r] += ok
+
+    def forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+
+def _depth_of(tree: DraftTree, i: int) -> int:
+    d = 0
+    while i >= 0:
+        d += 1
+        i = tree.parents[i]
+    return d
+
+
+def sibling_ranks(tree: DraftTree) -> list[int]:
+    """Rank of every node among its siblings: by score where the tree has
+    scores (best first), else by the order the method laid them out (methods
+    put their most likely child first)."""
+    ranks = [0] * len(tree)
+    for kids in tree.children():
+        if tree.scores is not None:
+            kids = sorted(kids, key=lambda c: -tree.scores[c])
+        for r, c in enumerate(kids):
+            ranks[c] = r
+    return ranks
+
+
+def shadow_outcomes(tree: DraftTree, truth) -> tuple[list[tuple[int, int, bool]], bool]:
+    """Walk ``tree`` along ``truth`` (the tokens the target produced after
+    the tree's root, as far as known). Returns the ``(depth, rank, accepted)``
+    of every node whose parent was accepted and whose own outcome is known,
+    and whether the walk is complete (nothing more can be learned later)."""
+    children = tree.children()
+    ranks = sibling_ranks(tree)
+    out: list[tuple[int, int, bool]] = []
+    cur, depth = -1, 0
+    while children[cur + 1]:
+        if depth >= len(truth):
+            return out, False  # the next true token is not known yet
+        nxt = None
+        for c in children[cur + 1]:
+            ok = tree.tokens[c] == int(truth[depth])
+            out.append((depth + 1, ranks[c], ok))
+            if ok:
+                nxt = c
+        if nxt is None:
+            break
+        cur, depth = nxt, depth + 1
+    return out, True
+
+
+def subtree(tree: DraftTree, keep: np.ndarray) -> DraftTree:
+    """The nodes ``keep`` (a bool mask closed under parents), in tree order."""
+    index: dict[int, int] = {}
+    tokens, parents = [], []
+    for i in np.flatnonzero(keep):
+        index[int(i)] = len(tokens)
+        tokens.append(tree.tokens[i])
+        p = tree.parents[i]
+        parents.append(-1 if p < 0 else index[p])
+    pick = [int(i) for i in np.flatnonzero(keep)]
+    return DraftTree(
+        tokens, parents,
+        None if tree.scores is None else [tree.scores[i] for i in pick],
+        None if tree.sources is None else [tree.sources[i] for i in pick],
+    )
+
+
+@dataclass
+class Choice:
+    """What the controller chose for one step (for stats and tests)."""
+
+    sizes: list[int]
+    expected_accepted: list[float]
+    expected_rate: float
+    """Expected tokens per second of the chosen step (0 before any timing)."""
+    plain_rate: float
+
+
+@dataclass
+class BudgetStats:
+    steps: int = 0
+    chosen_nodes: int = 0
+    proposed_nodes: int = 0
+    expected_accepted: float = 0.0
+    realised_accepted: int = 0
+    zero_steps: int = 0
+    """Steps where every request was cut to nothing (plain decoding)."""
+    size_hist: dict[int, int] = field(default_factory=dict)
+
+
+class BudgetController:
+    """Chooses each step's tree size per request (see the module docstring)."""
+
+    def __init__(self, acceptance: AcceptanceModel | None = None,
+                 cost: StepCost | None = None, max_pending: int = 16) -> None:
+        self.acceptance = acceptance or AcceptanceModel()
+        self.cost = cost or StepCost()
+        self.max_pending = max_pending
+        self._pending: dict[str, list[tuple[int, DraftTree]]] = {}
+        self._expected: dict[str, float] = {}
+        self.stats = BudgetStats()
+
+    # -------------------------------------------------------------- learning
+    def learn(self, req_id: str, token_ids, accepted: int | None = None) -> None:
+        """Evaluate the request's pending proposals against its history
+        ``token_ids`` (prompt + output so far). ``accepted``: tokens the last
+        verified tree of this request accepted (for expected-vs-realised)."""
+        if accepted is not None and req_id in self._expected:
+            self.stats.realised_accepted += accepted
+            self._expected.pop(req_id)
+        pending = self._pending.get(req_id)
+        if not pending:
+            return
+        n = len(token_ids)
+        left = []
+        for root_len, tree in pending:
+            outcomes, done = shadow_outcomes(tree, token_ids[root_len:n])
+            if done:
+                self.acceptance.observe(req_id, outcomes)
+            else:
+                left.append((root_len, tree))
+        self._pending[req_id] = left[-self.max_pending:]
+
+    def forget(self, req_id: str) -> None:
+        self._pending.pop(req_id, None)
+        self._expected.pop(req_id, None)
+        self.acceptance.forget(req_id)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.cost.observe(rows, seconds)
+
+    # -------------------------------------------------------------- choosing
+    def choose(self, req_ids: list[str], trees: list[DraftTree | None],
+               token_lens: list[int], rows: int) -> tuple[list[DraftTree | None], Choice]:
+        """Cut ``trees`` (one per request, None = no draft). ``token_lens``:
+        each request's history length (where its tree's root sits);
+        ``rows``: rows the next step verifies without any draft (one per
+        decoding request)."""
+        cand: list[tuple[float, int, int, int]] = []  # (-p, depth, request, node)
+        probs: list[np.ndarray | None] = []
+        for j, (rid, tree) in enumerate(zip(req_ids, trees)):
+            if tree is None or not len(tree):
+                probs.append(None)
+                continue
+            self._pending.setdefault(rid, []).append((token_lens[j], tree))
+            p = self.acceptance.node_probs(tree, rid)
+            probs.append(p)
+            depths = tree.depths()
+            cand.extend((-float(p[i]), int(depths[i]), j, i) for i in range(len(tree)))
+        cand.sort()
+        keep = [np.zeros(len(t), dtype=bool) if t is not None else None for t in trees]
+        plain = rows / self.cost(rows) if self.cost.known else 0.0
+        best_k, best_rate, gain = 0, plain, float(rows)
+        order: list[tuple[int, int]] = []
+        for k, (neg_p, _, j, i) in enumerate(cand, 1):
+            gain += -neg_p
+            order.append((j, i))
+            if not self.cost.known:
+                best_k = k  # no timing yet: verify everything, learn its cost
+                continue
+            rate = gain / self.cost(rows + k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        for j, i in order[:best_k]:
+            keep[j][i] = True
+        out: list[DraftTree | None] = []
+        sizes, expected = [], []
+        for j, (rid, tree) in enumerate(zip(req_ids, trees)):
+            if tree is None or not keep[j].any():
+                out.append(None)
+                sizes.append(0)
+                expected.append(0.0)
+                continue
+            # candidates are sorted by probability and a child is never more
+            # likely than its parent (ties: shallower first), so the kept set
+            # is closed under parents
+            cut = subtree(tree, keep[j])
+            exp = float(probs[j][keep[j]].sum())
+            out.append(cut)
+            sizes.append(len(cut))
+            expected.append(exp)
+            self._expected[rid] = exp
+        self._record(sizes, expected, sum(len(t) for t in trees if t is not None))
+        return out, Choice(sizes, expected, best_rate, plain)
+
+    def _record(self, sizes, expected, proposed) -> None:
+        s = self.stats
+        s.steps += 1
+        s.chosen_nodes += sum(sizes)
+        s.proposed_nodes += proposed
+        s.expected_accepted += sum(expected)
+        if proposed and not any(sizes):
+            s.zero_steps += 1
+        for n in sizes:
+            s.size_hist[n] = s.size_hist.get(n, 0) + 1
+
+    def as_dict(self) -> dict:
+        d = dict(self.stats.__dict__)
+        d["size_hist"] = dict(self.stats.size_hist)
+        d["step_ms_by_rows"] = self.cost.as_dict()
+        d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
+        return d
