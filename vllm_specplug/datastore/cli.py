@@ -63,7 +63,24 @@ def register_cli(subparsers) -> None:
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_build_dense)
 
-    i = sub.add_parser("info", help="verify a dense datastore and print its manifest summary")
+    sa = sub.add_parser(
+        "build-sa", help="build READER's token suffix-array datastore over a corpus",
+        description=("Tokenize corpus files with the target's tokenizer and index them "
+                     "with a suffix array (libdivsufsort); see "
+                     "vllm_specplug.datastore.suffix_array."))
+    sa.add_argument("--model", required=True, help="target model folder (its tokenizer)")
+    sa.add_argument("--corpus", required=True, action="append",
+                    help=".txt (one doc per line, or --txt-docs file) or .jsonl with a "
+                         "text/prompt/turns/response field; repeat for several files")
+    sa.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    sa.add_argument("--txt-docs", choices=["line", "file"], default="line")
+    sa.add_argument("--max-doc-tokens", type=int, default=None)
+    sa.add_argument("--overwrite", action="store_true")
+    sa.add_argument("--no-progress", action="store_true")
+    sa.set_defaults(func=_build_sa)
+
+    i = sub.add_parser("info", help="verify a datastore (dense or suffix array) and print "
+                                    "its manifest summary")
     i.add_argument("path")
     i.add_argument("--no-checksums", action="store_true", help="check sizes only")
     i.set_defaults(func=_info)
@@ -96,6 +113,26 @@ def _build_dense(args) -> int:
     return 0
 
 
+def _build_sa(args) -> int:
+    from vllm_specplug.datastore.dense import DatastoreError
+    from vllm_specplug.datastore.suffix_array import build_sa_datastore
+
+    try:
+        m = build_sa_datastore(args.model, args.out, args.corpus, txt_docs=args.txt_docs,
+                               max_doc_tokens=args.max_doc_tokens,
+                               overwrite=args.overwrite, progress=not args.no_progress)
+    except DatastoreError as e:
+        print(f"specplug datastore build-sa: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(_sa_summary(m), indent=2))
+    return 0
+
+
+def _sa_summary(m: dict) -> dict:
+    return {k: m[k] for k in ("format", "model", "vocab_size", "num_tokens",
+                              "num_documents", "build_seconds")}
+
+
 def _summary(m: dict) -> dict:
     return {
         "model": m["model"]["id"], "hidden_size": m["hidden_size"],
@@ -107,9 +144,22 @@ def _summary(m: dict) -> dict:
 
 
 def _info(args) -> int:
+    import os
+
     from vllm_specplug.datastore.dense import DatastoreError, DenseDatastore
+    from vllm_specplug.datastore.suffix_array import FORMAT as SA_FORMAT
+    from vllm_specplug.datastore.suffix_array import open_sa_datastore
 
     try:
+        with open(os.path.join(args.path, "manifest.json"), encoding="utf-8") as f:
+            is_sa = json.load(f).get("format") == SA_FORMAT
+    except (OSError, ValueError):
+        is_sa = False
+    try:
+        if is_sa:
+            store = open_sa_datastore(args.path, verify_checksums=not args.no_checksums)
+            print(json.dumps(_sa_summary(store.manifest), indent=2))
+            return 0
         ds = DenseDatastore.open(args.path, verify_checksums=not args.no_checksums)
     except DatastoreError as e:
         print(f"specplug datastore info: {e}", file=sys.stderr)
