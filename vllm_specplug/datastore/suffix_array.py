@@ -24,11 +24,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from vllm_specplug.corpus import CorpusError, iter_texts
 from vllm_specplug.datastore.dense import (
     DatastoreError,
     _log,
     _sha256_file,
-    iter_corpus_texts,
     tokenizer_fingerprint,
 )
 from vllm_specplug.sources.suffix_array import (
@@ -62,14 +62,17 @@ def build_sa_datastore(model: str, out: str, corpus: Iterable[str], *,
     vocab = len(tok)
     docs: list[list[int]] = []
     bar = tqdm(desc="tokenize", unit="doc", disable=not progress)
-    for path in corpus:
-        for text in iter_corpus_texts(path, tok, txt_docs=txt_docs):
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            if max_doc_tokens:
-                ids = ids[:max_doc_tokens]
-            if ids:
-                docs.append(ids)
-            bar.update(1)
+    try:
+        for path in corpus:
+            for text in iter_texts(path, tok, txt_docs=txt_docs):
+                ids = tok(text, add_special_tokens=False)["input_ids"]
+                if max_doc_tokens:
+                    ids = ids[:max_doc_tokens]
+                if ids:
+                    docs.append(ids)
+                bar.update(1)
+    except CorpusError as e:
+        raise DatastoreError(str(e)) from None
     bar.close()
     if not docs:
         raise DatastoreError(f"no documents in {', '.join(corpus)}")
