@@ -9,7 +9,9 @@ Layouts
 k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]   one layer, or
                   [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
                   stacked (one launch pair moves every layer); any strides, so the
-                  halves of vLLM's ``[2, num_blocks, ...]`` per-layer tensor work.
+                  K and V views vLLM 0.32's FLASH_ATTN/TRITON_ATTN take of a layer
+                  cache ``[blocks, kv_heads, block_size, 2*head]``
+                  (``transpose(1, 2).split(head, -1)``) work in every layout.
                   A list/tuple of per-layer caches is also accepted (one launch
                   pair per layer).  ``v_cache`` may be None (single-cache layouts).
 src_slots, dst_slots  [n] int64, slot = block_id * block_size + offset.

@@ -5,8 +5,9 @@ Layouts
 q                [num_tokens, num_q_heads, head_dim]  varlen batch; sequence s owns
                  rows ``query_start_loc[s]:query_start_loc[s+1]`` (q_len_s rows).
 k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]  vLLM flash-attn
-                 layout, any strides (e.g. the two halves of vLLM's
-                 ``[2, num_blocks, ...]`` per-layer tensor).  The K/V of this step's
+                 layout, any strides (e.g. vLLM 0.32's K and V views of a layer
+                 cache ``[blocks, kv_heads, block_size, 2*head]``:
+                 ``transpose(1, 2).split(head_dim, -1)``).  The K/V of this step's
                  query tokens must ALREADY be written to the cache.
 block_table      [num_seqs, max_blocks] int32, logical block -> physical block.
 seq_lens         [num_seqs] int, keys per sequence INCLUDING the q_len_s new ones.

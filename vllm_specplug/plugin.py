@@ -11,10 +11,15 @@ speculative config, a specplug worker class, and the method's options in
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
+
+# A child of vLLM's logger, so the line shows with vLLM's own start-up log.
+logger = logging.getLogger("vllm.specplug")
 
 _DRAFTER = "vllm_specplug.runner.runner.SpecplugDrafter"
 _WORKERS = {
@@ -37,19 +42,24 @@ def register() -> None:
             spec = json.loads(spec)
         if not isinstance(spec, dict):
             return original(self, *args, **kwargs)
+        graphs = self.compilation_config
         if registry.is_registered(spec.get("method")):
             new = rewrite(spec, self.worker_cls, self.additional_config)
+            graphs = cuda_graph_mode(self.compilation_config, spec.get("method"))
         elif spec.get("method") == "eagle3" and not spec.get("model"):
             new = (_with_default_eagle3_head(spec, str(self.model)), self.worker_cls,
                    self.additional_config)
         else:
             return original(self, *args, **kwargs)
-        saved = (self.speculative_config, self.worker_cls, self.additional_config)
-        self.speculative_config, self.worker_cls, self.additional_config = new
+        saved = (self.speculative_config, self.worker_cls, self.additional_config,
+                 self.compilation_config)
+        (self.speculative_config, self.worker_cls, self.additional_config,
+         self.compilation_config) = (*new, graphs)
         try:
             return original(self, *args, **kwargs)
         finally:
-            self.speculative_config, self.worker_cls, self.additional_config = saved
+            (self.speculative_config, self.worker_cls, self.additional_config,
+             self.compilation_config) = saved
 
     create_engine_config._specplug = True
     EngineArgs.create_engine_config = create_engine_config
@@ -67,6 +77,36 @@ def _with_default_eagle3_head(spec: dict, model: str) -> dict:
             f"specplug ships no head for {model} (train one with "
             "`specplug eagle3 generate-data` and `specplug eagle3 train`)")
     return {**spec, "model": head}
+
+
+def cuda_graph_mode(compilation_config, method: str):
+    """The compilation config a specplug method runs with on CUDA.
+
+    Tree verification recomputes the tree rows in Python around vLLM's
+    attention op every step. vLLM's default FULL_AND_PIECEWISE replays a full
+    CUDA graph for uniform decode batches (every request 1+k tokens), captured
+    without any tree: tree rows would attend to their siblings and the KV move
+    would be skipped. PIECEWISE keeps the attention op outside the graphs.
+    An explicit full-graph mode is refused; NONE and PIECEWISE are kept.
+    """
+    from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cuda":
+        return compilation_config
+    if isinstance(compilation_config, dict):
+        compilation_config = CompilationConfig(**compilation_config)
+    mode = compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"specplug method '{method}' cannot verify trees inside full CUDA graphs "
+            f"(cudagraph_mode={mode.name}); use PIECEWISE (the specplug default) or NONE")
+    if mode is None:
+        compilation_config = copy.deepcopy(compilation_config)
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        logger.info("specplug: cudagraph_mode=PIECEWISE (tree attention runs outside "
+                    "CUDA graphs; full graphs would skip it)")
+    return compilation_config
 
 
 def rewrite(spec: dict, worker_cls: str, additional: dict | None):

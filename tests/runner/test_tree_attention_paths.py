@@ -1,74 +1,43 @@
-"""The attention wrapper's two ways to recompute tree rows agree with the
-reference: the CPU path (context read from vLLM's CPU cache layout) and the
-GPU path's wiring (FLASH_ATTN layout, packed masks, Triton kernel entry
-point; here its torch fallback, the kernel itself is tested in
-tests/triton_kernels)."""
+"""Tree-row bookkeeping and the CPU path's attention. The GPU path on the
+FLASH_ATTN/TRITON_ATTN caches is tested in
+tests/triton_kernels/test_runner_gpu_path.py (Triton interpreter)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.runner.tree_attention import (
-    TreeAttentionWrapper,
-    TreeRow,
-    TreeStep,
-    masked_tree_attention,
-)
+from vllm_specplug.runner.tree_attention import masked_tree_attention
 
 H, HKV, D, BS = 4, 2, 32, 16
 
 
-def _case(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    trees = [DraftTree([1, 2, 3, 4, 5], [-1, -1, 0, 0, 2]), DraftTree([7, 8, 9], [-1, 0, -1])]
-    ctx = [21, 40]  # tokens already cached before each root
-    rows, start = [], 0
-    for i, (t, c) in enumerate(zip(trees, ctx)):
-        rows.append(TreeRow(start, len(t), c, i, torch.from_numpy(t.ancestor_mask()[1:])))
-        start += len(t) + 1
-    total = start
-    q = torch.randn(total, H, D, generator=g)
-    k = torch.randn(total, HKV, D, generator=g)
-    v = torch.randn(total, HKV, D, generator=g)
-    k_ctx = [torch.randn(c, HKV, D, generator=g) for c in ctx]
-    v_ctx = [torch.randn(c, HKV, D, generator=g) for c in ctx]
-    expected = torch.zeros(total, H, D)
-    for r, kc, vc in zip(rows, k_ctx, v_ctx):
-        s = r.row_start
-        expected[s + 1 : s + 1 + r.num_nodes] = masked_tree_attention(
-            q[s + 1 : s + 1 + r.num_nodes], kc, vc, k[s : s + 1 + r.num_nodes],
-            v[s : s + 1 + r.num_nodes], r.mask, D ** -0.5)
-    return rows, q, k, v, k_ctx, v_ctx, expected
+def test_root_rows_follow_vllm_logits_indices():
+    """The root of a request with m drafts is the first of its last m+1 rows:
+    checked against vLLM's own ``_calc_spec_decode_metadata`` (the row its
+    first logits come from), with requests that have rows scheduled ahead."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from vllm_specplug.runner.runner import root_rows
 
-def test_cuda_wiring_flash_layout():
-    rows, q, k, v, k_ctx, v_ctx, expected = _case()
-    nblocks = 16
-    cache = torch.zeros(2, nblocks, BS, HKV, D)
-    # Blocks handed out in a shuffled order; each sequence's keys = context +
-    # root + nodes at linear slots, as vLLM writes them before attention.
-    perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(1))
-    block_table = perm.view(2, -1).to(torch.int32)
-    for r, kc, vc in zip(rows, k_ctx, v_ctx):
-        s = r.row_start
-        keys = torch.cat([kc, k[s : s + 1 + r.num_nodes]])
-        vals = torch.cat([vc, v[s : s + 1 + r.num_nodes]])
-        for pos in range(keys.shape[0]):
-            b = block_table[r.req_index, pos // BS]
-            cache[0, b, pos % BS], cache[1, b, pos % BS] = keys[pos], vals[pos]
-    impl = SimpleNamespace(num_heads=H, scale=D ** -0.5, forward=None)
-    wrapper = TreeAttentionWrapper("l0", impl, lambda: None)
-    out = torch.zeros_like(q)
-    wrapper._fix_rows_cuda(TreeStep(rows), q, cache,
-                           SimpleNamespace(block_table=block_table), out)
-    for r in rows:
-        s = r.row_start
-        torch.testing.assert_close(out[s + 1 : s + 1 + r.num_nodes],
-                                   expected[s + 1 : s + 1 + r.num_nodes],
-                                   atol=1e-4, rtol=1e-4)
+    num_draft = np.asarray([3, 0, 2, 0, 1], dtype=np.int32)
+    num_sched = np.asarray([4, 100, 3, 100, 5], dtype=np.int32)  # 5: 3 rows ahead
+    cu = np.cumsum(num_sched).astype(np.int32)
+    fake = SimpleNamespace(_arange_scratch=np.zeros(1024, dtype=np.int32),
+                           arange_np=np.arange(1024, dtype=np.int64),
+                           device="cpu",
+                           input_ids=SimpleNamespace(gpu=torch.zeros(int(cu[-1]),
+                                                                     dtype=torch.int32)))
+    fake._get_cumsum_and_arange = GPUModelRunner._get_cumsum_and_arange.__get__(fake)
+    meta = GPUModelRunner._calc_spec_decode_metadata(fake, num_draft, cu)
+    first_logit = np.concatenate([[0], meta.cu_num_sampled_tokens.numpy()[:-1]])
+    vllm_roots = meta.logits_indices.numpy()[first_logit]
+    qsl = np.concatenate([[0], cu])
+    assert root_rows(qsl, num_draft).tolist() == vllm_roots.tolist()
+    assert vllm_roots[4] != qsl[4]  # the case a "first row" root gets wrong
 
 
 def test_masked_tree_attention_matches_per_query_softmax():

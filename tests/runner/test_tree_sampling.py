@@ -19,7 +19,7 @@ import torch
 from scipy.stats import chisquare
 
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.engine.verify import choose_paths, draft_probs_tensor
+from vllm_specplug.engine.verify import child_probs, choose_paths, draft_probs_tensor
 
 VOCAB = 6
 N = 6000
@@ -72,8 +72,10 @@ def _run(choose, seed=0, full=False):
     drafts = [TREE.tokens] * N
     sm = _metadata(N, seed)
     probs = torch.softmax(logits, -1)
-    chosen = choose({i: TREE for i in range(N)}, drafts, base, set(), None, probs,
-                    sm.generators)
+    trees = {i: TREE for i in range(N)}
+    walks = child_probs(trees, drafts, list(range(N)), probs,
+                        {i: int(b) for i, b in enumerate(base)}, sm.generators)
+    chosen = choose(trees, drafts, base, set(), None, walks)
     meta, gather, _ = path_chain_metadata(chosen.paths, drafts, base, "cpu")
     q = draft_probs_tensor(chosen.q_rows, VOCAB, "cpu")
     out = _sampler()(meta, q, logits[gather], sm).sampled_token_ids
@@ -89,11 +91,11 @@ def test_tree_rule_keeps_target_distribution():
     assert _pvalue(_run(choose_paths)) > 1e-3
 
 
-def _naive_choose(trees, drafts, base, greedy, argmax, probs, generators):
+def _naive_choose(trees, drafts, base, greedy, argmax, walks):
     """Bug on purpose: the path is picked by p but verified with one-hot q, so
     the rejected siblings' mass is never taken out of p."""
-    chosen = choose_paths(trees, drafts, base, greedy, argmax, probs, generators)
-    chosen.q_rows = [int(q.argmax()) if isinstance(q, torch.Tensor) else q
+    chosen = choose_paths(trees, drafts, base, greedy, argmax, walks)
+    chosen.q_rows = [q[0][int(np.argmax(q[1]))] if isinstance(q, tuple) else q
                      for q in chosen.q_rows]
     return chosen
 
@@ -111,3 +113,45 @@ def test_token_after_an_accepted_node(seed):
     second = second[second >= 0]
     counts = np.bincount(second, minlength=VOCAB)
     assert chisquare(counts, P_NEXT.numpy() * len(second)).pvalue > 1e-3
+
+
+def test_padded_request_in_sampled_tree_batch():
+    """vLLM pads a fully prefix-cached new request with ``-1`` drafts. Mixed
+    into a sampled tree batch (so vLLM gets a draft-probability tensor), such
+    a request must still emit its first token from ``p``: its ``q`` rows are
+    zero, not a one-hot on the last vocabulary id (which would remove that
+    id's mass from the residual)."""
+    from vllm_specplug.runner.runner import path_chain_metadata
+
+    n_nodes, pad = len(TREE), [-1, -1, -1]
+    tree_rows = torch.stack([P_ROOT] + [P_NEXT] * n_nodes).log()
+    pad_rows = torch.stack([P_ROOT] + [P_NEXT] * len(pad)).log()
+    drafts, blocks, base, trees, at = [], [], [], {}, 0
+    for i in range(N):
+        if i % 2:
+            drafts.append(pad)
+            blocks.append(pad_rows)
+        else:
+            drafts.append(TREE.tokens)
+            blocks.append(tree_rows)
+            trees[i] = TREE
+        base.append(at)
+        at += blocks[-1].shape[0]
+    logits, base = torch.cat(blocks), np.asarray(base)
+    sm = _metadata(N, seed=5)
+    walks = child_probs(trees, drafts, sorted(trees), torch.softmax(logits, -1),
+                        {i: int(base[i]) for i in trees}, sm.generators)
+    chosen = choose_paths(trees, drafts, base, set(), None, walks)
+    meta, gather, _ = path_chain_metadata(chosen.paths, drafts, base, "cpu")
+    q = draft_probs_tensor(chosen.q_rows, VOCAB, "cpu")
+    out = _sampler()(meta, q, logits[gather], sm).sampled_token_ids
+    first = out[1::2, 0].numpy()
+    assert (out[1::2, 1] == -1).all()  # padding is never accepted
+    assert _pvalue(first) > 1e-3
+
+
+def test_negative_draft_gives_zero_q_row():
+    q = draft_probs_tensor([3, -1, ([1, 2], [0.25, 0.75])], VOCAB, "cpu")
+    assert q[1].abs().sum() == 0
+    assert q[0, 3] == 1 and q[0].sum() == 1
+    assert q[2, 1] == 0.25 and q[2, 2] == 0.75 and q[2].sum() == 1

@@ -51,7 +51,8 @@ def _reinterpret_triton_stdlib() -> None:
 
 
 _reinterpret_triton_stdlib()
-for _name in sorted(m for m in sys.modules if m.startswith("triton_kernels.")):
+for _name in sorted(m for m in sys.modules
+                    if m.startswith(("triton_kernels.", "vllm_specplug.kernels."))):
     importlib.reload(sys.modules[_name])
 
 

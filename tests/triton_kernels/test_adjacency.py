@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from triton_kernels.adjacency import (
+from vllm_specplug.kernels.adjacency import (
     adjacency_update,
     adjacency_update_ref,
     adjacency_update_triton,

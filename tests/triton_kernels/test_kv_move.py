@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from triton_kernels.kv_move import kv_move, kv_move_ref, kv_move_triton
+from vllm_specplug.kernels.kv_move import kv_move, kv_move_ref, kv_move_triton
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_DIM = 5, 16, 3, 24  # odd head count / dim
 

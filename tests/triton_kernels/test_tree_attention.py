@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from triton_kernels.tree_attention import (
+from vllm_specplug.kernels.tree_attention import (
     pack_tree_mask,
     tree_attention,
     tree_attention_ref,

@@ -15,6 +15,14 @@ therefore has probability ``q(c) P(C) = p(c)``, and a rejection emits ``y``
 with probability ``p(y)`` for every ``y`` outside ``C``: the target's
 distribution, exactly as SGLang's/EAGLE's sibling walk gives. Chains keep
 vLLM's own behaviour (one-hot ``q``, the whole chain verified).
+
+Device work is batched so that a step costs one device->host copy, not one
+per tree node: ``child_probs`` gathers ``p(c)`` of every child of every
+internal node of every sampled tree in one indexing op and draws one uniform
+per internal node from each request's own generator; ``choose_paths`` then
+walks the trees on the host. ``q`` is kept sparse (children ids and
+probabilities) until ``draft_probs_tensor`` writes vLLM's dense
+``[path tokens, vocab]`` draft-probability input with one scatter.
 """
 
 from __future__ import annotations
@@ -31,25 +39,85 @@ from vllm_specplug.engine.tree import DraftTree
 class Paths:
     paths: list[list[int]]
     """Per request, node indices (into its draft list) along the chosen path."""
-    q_rows: list[torch.Tensor | int]
-    """Per path node, in order: the draft distribution, or a token id meaning
-    one-hot (chains and greedy requests)."""
+    q_rows: list[tuple[list[int], list[float]] | int]
+    """Per path node, in order: the draft distribution as (token ids,
+    probabilities), or a token id meaning one-hot (chains and greedy
+    requests); a negative id (vLLM's padding) means no draft (zero row)."""
+
+
+@dataclass
+class ChildProbs:
+    """Host copies of what a sampled walk needs, per request index."""
+
+    p: dict[int, list[list[float]]]
+    """request -> per parent (-1, then node order, only parents with
+    children): ``p`` of each child in ``children()`` order."""
+    u: dict[int, list[float]]
+    """request -> one uniform draw per parent with children, same order."""
+
+
+def _parents(tree: DraftTree) -> list[tuple[int, list[int]]]:
+    children = tree.children()
+    return [(p - 1, ch) for p, ch in enumerate(children) if ch]
+
+
+def child_probs(
+    trees: dict[int, DraftTree],
+    drafts: list[list[int]],
+    sampled: list[int],
+    probs: torch.Tensor,
+    prob_base: dict[int, int],
+    generators: dict[int, torch.Generator],
+) -> ChildProbs:
+    """Gather ``p(child)`` for every internal node of the ``sampled`` trees.
+
+    ``probs[prob_base[i] + 1 + j]`` is request i's distribution after node j
+    (``+0``: after the root). One gather, one uniform draw per request (its
+    own generator when seeded) and a single device->host copy.
+    """
+    rows, cols, counts, uniforms = [], [], {}, []
+    for i in sampled:
+        parents = _parents(trees[i])
+        counts[i] = parents
+        for p, ch in parents:
+            rows.extend([prob_base[i] + p + 1] * len(ch))
+            cols.extend(drafts[i][c] for c in ch)
+        gen = generators.get(i)
+        uniforms.append(torch.rand(len(parents), device=probs.device,
+                                   generator=gen, dtype=torch.float64))
+    if not rows:
+        return ChildProbs({}, {})
+    idx = torch.as_tensor([rows, cols], dtype=torch.long).to(probs.device, non_blocking=True)
+    flat = torch.cat([probs[idx[0], idx[1]].double(), *uniforms]).cpu().tolist()
+    out_p, out_u, k = {}, {}, 0
+    for i in sampled:
+        per = []
+        for _, ch in counts[i]:
+            per.append(flat[k : k + len(ch)])
+            k += len(ch)
+        out_p[i] = per
+    for i in sampled:
+        n = len(counts[i])
+        out_u[i] = flat[k : k + n]
+        k += n
+    return ChildProbs(out_p, out_u)
 
 
 def choose_paths(
     trees: dict[int, DraftTree],
     drafts: list[list[int]],
-    row_base: np.ndarray,
+    row_base,
     greedy: set[int],
     argmax: list[int] | None,
-    probs: torch.Tensor | None,
-    generators: dict[int, torch.Generator],
+    sampled: ChildProbs | None,
 ) -> Paths:
     """``drafts[i]``: request i's draft tokens; its logits rows are
     ``row_base[i] + 0`` (root) and ``row_base[i] + 1 + j`` (after node j).
-    Requests without an entry in ``trees`` are chains."""
+    Requests without an entry in ``trees`` are chains. Greedy tree requests
+    need ``argmax`` (per logits row), sampled ones ``sampled``
+    (``child_probs``). Pure host code."""
     paths: list[list[int]] = []
-    q_rows: list[torch.Tensor | int] = []
+    q_rows: list = []
     for i, toks in enumerate(drafts):
         tree = trees.get(i)
         if tree is None:
@@ -57,27 +125,33 @@ def choose_paths(
             q_rows.extend(toks)
             continue
         children = tree.children()
+        if i not in greedy:
+            slot = {p: k for k, (p, _) in enumerate(_parents(tree))}
         path: list[int] = []
         cur = -1
         while children[cur + 1]:
             ch = children[cur + 1]
-            row = int(row_base[i]) + cur + 1
             if i in greedy:
+                row = int(row_base[i]) + cur + 1
                 nxt = next((c for c in ch if toks[c] == argmax[row]), None)
                 if nxt is None:
                     break
                 q_rows.append(toks[nxt])
             else:
-                ids = torch.tensor([toks[c] for c in ch], device=probs.device)
-                pc = probs[row, ids].double()
-                mass = float(pc.sum())
+                k = slot[cur]
+                pc = sampled.p[i][k]
+                mass = sum(pc)
                 if mass <= 0.0:
                     break
-                pick = int(torch.multinomial(pc / mass, 1, generator=generators.get(i)))
+                # Inverse CDF of p(c)/P(C) with this node's uniform draw.
+                target, acc, pick = sampled.u[i][k] * mass, 0.0, len(ch) - 1
+                for j, pj in enumerate(pc):
+                    acc += pj
+                    if target < acc:
+                        pick = j
+                        break
                 nxt = ch[pick]
-                q = torch.zeros(probs.shape[-1], device=probs.device)
-                q[ids] = (pc / mass).float()
-                q_rows.append(q)
+                q_rows.append(([toks[c] for c in ch], [pj / mass for pj in pc]))
             path.append(nxt)
             cur = nxt
         paths.append(path)
@@ -85,10 +159,24 @@ def choose_paths(
 
 
 def draft_probs_tensor(q_rows, vocab: int, device) -> torch.Tensor:
-    out = torch.zeros(len(q_rows), vocab, device=device)
+    """vLLM's ``draft_probs [len(q_rows), vocab]``, written with one scatter.
+    Negative token ids (vLLM's ``-1`` padding of fully cached prompts) get a
+    zero row: no draft, so a rejection resamples from ``p`` itself."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
     for r, q in enumerate(q_rows):
-        if isinstance(q, torch.Tensor):
-            out[r] = q
-        else:
-            out[r, q] = 1.0
+        if isinstance(q, tuple):
+            ids, ps = q
+            rows.extend([r] * len(ids))
+            cols.extend(ids)
+            vals.extend(ps)
+        elif q >= 0:
+            rows.append(r)
+            cols.append(q)
+            vals.append(1.0)
+    out = torch.zeros(len(q_rows), vocab, device=device)
+    if rows:
+        idx = torch.as_tensor(np.asarray([rows, cols], dtype=np.int64)).to(device)
+        out[idx[0], idx[1]] = torch.as_tensor(vals, dtype=torch.float32).to(device)
     return out

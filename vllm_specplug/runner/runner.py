@@ -40,7 +40,7 @@ from vllm_specplug.engine.budget import BudgetController
 from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_budget
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
-from vllm_specplug.engine.verify import choose_paths, draft_probs_tensor
+from vllm_specplug.engine.verify import child_probs, choose_paths, draft_probs_tensor
 from vllm_specplug.runner.tree_attention import (
     CPU_KV_LAYOUTS,
     TreeAttentionWrapper,
@@ -129,6 +129,129 @@ def _tp_rank0_float(x: float) -> float:
     return float(t[0])
 
 
+# The Triton tree kernel packs a node's ancestors into one int64.
+MAX_GPU_TREE_NODES = 64
+
+
+def root_rows(query_start_loc: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Flat row of each request's root (last verified token): vLLM's
+    convention, the first of a request's last ``m+1`` scheduled rows
+    (``gpu_model_runner._calc_spec_decode_metadata``), not its first row."""
+    return query_start_loc[1:] - 1 - num_drafts
+
+
+@dataclasses.dataclass
+class StepState:
+    """One engine step's tree bookkeeping: created in ``_prepare_inputs``,
+    filled in ``_sample``, read in ``propose_draft_token_ids``."""
+
+    trees: dict[int, DraftTree]
+    """Batch row -> the tree verified this step (real trees, not chains)."""
+    root_row: np.ndarray
+    """Per batch row: flat input row of its root (see ``root_rows``)."""
+    attention: TreeStep | None
+    """What the attention wrapper reads during this step's forward; dropped
+    once verification is done so no later forward applies it."""
+    logit_base: np.ndarray | None = None
+    """Per batch row: its first logits row (its root's)."""
+    logit_rows: np.ndarray | None = None
+    """Per batch row: how many logits rows it has (root + drafts)."""
+    accepted_rows: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    """Batch row -> rows (relative to the root) whose tokens were accepted:
+    the root and the accepted path's nodes."""
+    topk: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
+    """(ids, probs) ``[rows, k]`` of the logits rows methods read, and the
+    logits row -> row-in-(ids, probs) map (-1 where not computed)."""
+
+
+def check_layers(layers: dict, device_type: str, num_speculative_tokens: int) -> None:
+    """Refuse, at start-up and in one line, what tree verification cannot do
+    right. ``layers``: the model's static forward context (name -> module)."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    if device_type == "cuda" and num_speculative_tokens > MAX_GPU_TREE_NODES:
+        raise ValueError(
+            f"specplug on GPU verifies trees of at most {MAX_GPU_TREE_NODES} nodes; "
+            f"num_speculative_tokens={num_speculative_tokens}")
+    for name, layer in layers.items():
+        if not isinstance(layer, AttentionLayerBase):
+            continue  # MoE and other no-compile layers
+        if type(layer) is not Attention:
+            # MLA, Mamba/linear attention, chunked-local, sink, cross/encoder...
+            raise ValueError(
+                f"specplug tree verification does not support {type(layer).__name__} "
+                f"layers ({name})")
+        impl = layer.impl
+        sw = getattr(impl, "sliding_window", None)
+        # CPU backend: -1 = none; FLASH_ATTN/TRITON_ATTN: (-1, -1) = none.
+        if sw not in (None, -1, (-1, -1)):
+            raise ValueError(
+                f"specplug tree verification does not support sliding-window "
+                f"attention ({name}, window {sw})")
+        if getattr(impl, "alibi_slopes", None) is not None or getattr(
+                impl, "logits_soft_cap", 0):
+            raise ValueError(
+                f"specplug tree verification does not support ALiBi or logit "
+                f"soft-capping ({name})")
+        if getattr(impl, "sinks", None) is not None:
+            raise ValueError(
+                f"specplug tree verification does not support attention sinks ({name})")
+        if getattr(impl, "attn_type", "decoder") != "decoder":
+            raise ValueError(
+                f"specplug tree verification supports decoder attention only "
+                f"({name}: {impl.attn_type})")
+        if device_type == "cuda" and type(impl).__name__ not in (
+                "FlashAttentionImpl", "TritonAttentionImpl"):
+            raise ValueError(
+                f"specplug tree verification on GPU supports the FLASH_ATTN and "
+                f"TRITON_ATTN backends, not {type(impl).__name__}")
+        if not hasattr(impl, "do_kv_cache_update"):
+            raise ValueError(
+                f"specplug needs the attention backend's KV writer "
+                f"({type(impl).__name__} has no do_kv_cache_update)")
+
+
+def check_config(vllm_config) -> None:
+    """Model- and engine-level refusals (one line each, at start-up)."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    model = vllm_config.model_config
+    if getattr(model, "uses_mrope", False) or getattr(model, "uses_xdrope_dim", 0):
+        raise ValueError(
+            "specplug tree verification does not support M-RoPE models (tree "
+            "positions are written to 1-D positions only)")
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise ValueError(
+            f"specplug does not support pipeline parallelism (pipeline_parallel_size={pp})")
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype not in (None, "auto") and is_quantized_kv_cache(str(dtype)):
+        raise ValueError(
+            f"specplug tree verification needs an unquantized KV cache "
+            f"(kv_cache_dtype={dtype})")
+
+
+def check_graph_mode(compilation_config, device_type: str) -> str:
+    """The CUDA graph mode name; refuses full graphs on GPU (they replay
+    decode batches without the tree attention, see plugin.cuda_graph_mode)."""
+    mode = compilation_config.cudagraph_mode
+    name = getattr(mode, "name", str(mode))
+    if device_type == "cuda" and mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"specplug cannot verify trees inside full CUDA graphs (cudagraph_mode="
+            f"{name}); use PIECEWISE or NONE")
+    return name
+
+
+def check_kv_groups(kv_cache_config) -> None:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise ValueError(
+            f"specplug tree verification supports one KV-cache group, the model has "
+            f"{len(groups)} (hybrid or mixed-attention models)")
+
+
 class SpecplugDrafter:
     """What vLLM's ``custom_class`` path instantiates.
 
@@ -199,11 +322,7 @@ class SpecplugRunnerMixin:
         self._sp_method: str = spec["method"]
         self._sp_options: dict = spec["options"]
         self._sp_trees: dict[str, DraftTree] = {}
-        self._sp_step: TreeStep | None = None
-        self._sp_step_trees: dict[int, DraftTree] = {}
-        self._sp_rows: dict[int, list[int]] = {}
-        self._sp_logit_base: np.ndarray | None = None
-        self._sp_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sp_state: StepState | None = None
         self._sp_proposer = None
         self._sp_stats = TreeStats()
         # Trees with per-node sources, by request: (tree, history length
@@ -247,34 +366,33 @@ class SpecplugRunnerMixin:
     def _sp_install_attention(self) -> None:
         from vllm.model_executor.layers.attention import Attention
 
+        dev = self.device.type
+        check_config(self.vllm_config)
         ctx = self.compilation_config.static_forward_context
+        check_layers(ctx, dev, self.speculative_config.num_speculative_tokens)
+        mode = check_graph_mode(self.compilation_config, dev)
+        self._sp_kv_layout = "gpu" if dev == "cuda" else TreeAttentionWrapper.layout
+        self._sp_head_size = None
         for name, layer in ctx.items():
             if not isinstance(layer, Attention):
                 continue
             impl = layer.impl
-            if getattr(impl, "alibi_slopes", None) is not None or getattr(
-                impl, "sliding_window", -1
-            ) not in (-1, None) or getattr(impl, "logits_soft_cap", 0):
-                raise ValueError(
-                    f"specplug tree verification does not support layer {name} "
-                    "(sliding window, ALiBi or logit soft-capping)"
-                )
-            if self.device.type == "cuda" and type(impl).__name__ not in (
-                "FlashAttentionImpl", "TritonAttentionImpl"
-            ):
-                raise ValueError(
-                    f"specplug tree verification on GPU supports the FLASH_ATTN and "
-                    f"TRITON_ATTN backends, not {type(impl).__name__}"
-                )
-            if not hasattr(impl, "do_kv_cache_update"):
-                raise ValueError(
-                    f"specplug needs the attention backend's KV writer "
-                    f"({type(impl).__name__} has no do_kv_cache_update)"
-                )
+            self._sp_head_size = impl.head_size
             if not isinstance(impl.forward, TreeAttentionWrapper):
-                impl.forward = TreeAttentionWrapper(name, impl, lambda: self._sp_step)
+                impl.forward = TreeAttentionWrapper(name, impl, self._sp_attention_step,
+                                                    gpu=dev == "cuda")
+        backend = next((type(layer.impl).__name__ for layer in ctx.values()
+                        if isinstance(layer, Attention)), "?")
+        logger.info("specplug: tree attention on %s (%s), cudagraph_mode=%s",
+                    dev, backend, mode)
+
+    def _sp_attention_step(self) -> TreeStep | None:
+        state = self._sp_state
+        return None if state is None else state.attention
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
+        kv_cache_config = args[0] if args else kwargs.get("kv_cache_config")
+        check_kv_groups(kv_cache_config)
         super().initialize_kv_cache(*args, **kwargs)
         if self.device.type == "cpu":
             self._sp_check_cpu_kv_layout()
@@ -307,6 +425,7 @@ class SpecplugRunnerMixin:
         kv[0].copy_(saved)
         if found is not None:
             TreeAttentionWrapper.layout = found
+            self._sp_kv_layout = found
         else:
             raise RuntimeError(
                 f"specplug: the CPU attention backend's KV layout (isa="
@@ -338,11 +457,16 @@ class SpecplugRunnerMixin:
     # ----------------------------------------------------- forward (trees)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self._sp_step = None
-        self._sp_step_trees = {}
+        n = self.input_batch.num_reqs
+        qsl = self.query_start_loc.np[: n + 1]
+        drafts = np.zeros(n, dtype=np.int64)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for rid, toks in spec.items():
+            drafts[self.input_batch.req_id_to_index[rid]] = len(toks)
+        roots = root_rows(qsl, drafts)
+        trees: dict[int, DraftTree] = {}
         rows: list[TreeRow] = []
-        qsl = self.query_start_loc.np
-        for rid, toks in scheduler_output.scheduled_spec_decode_tokens.items():
+        for rid, toks in spec.items():
             tree = self._sp_trees.get(rid)
             m = len(toks)
             if tree is None or m == 0 or tree.tokens[:m] != list(toks):
@@ -351,101 +475,134 @@ class SpecplugRunnerMixin:
             if tree.is_chain():
                 continue
             i = self.input_batch.req_id_to_index[rid]
-            s = int(qsl[i])
-            c = int(self.input_batch.num_computed_tokens_cpu[i])
+            s = int(roots[i])
+            # The root's position: tokens computed before this step plus any
+            # rows scheduled ahead of it.
+            c = int(self.input_batch.num_computed_tokens_cpu[i]) + s - int(qsl[i])
             depths = torch.from_numpy(tree.depths() + c)
             self.positions[s + 1 : s + 1 + m] = depths.to(self.positions.device)
-            mask = torch.from_numpy(tree.ancestor_mask()[1:]).to(self.device)
+            mask = torch.from_numpy(tree.ancestor_mask()[1:])
+            if self.device.type != "cuda":
+                mask = mask.to(self.device)
             rows.append(TreeRow(s, m, c, i, mask))
-            self._sp_step_trees[i] = tree
-        if rows:
-            self._sp_step = TreeStep(rows)
+            trees[i] = tree
+        self._sp_state = StepState(trees=trees, root_row=roots,
+                                   attention=TreeStep(rows) if rows else None)
         return out
 
     # ------------------------------------------------- verification (trees)
     def _sample(self, logits, spec_decode_metadata):
-        self._sp_rows = {}
-        self._sp_topk = None
+        state = self._sp_state
+        if state is None:  # a dummy/profile run: no _prepare_inputs
+            state = self._sp_state = StepState({}, np.zeros(0, np.int64), None)
         if spec_decode_metadata is not None:
-            n_draft = spec_decode_metadata.num_draft_tokens
-            self._sp_logit_base = np.concatenate(
-                [[0], np.cumsum(np.asarray(n_draft) + 1)[:-1]]
-            ).astype(np.int64)
+            state.logit_rows = np.asarray(spec_decode_metadata.num_draft_tokens,
+                                          dtype=np.int64) + 1
         else:
-            self._sp_logit_base = np.arange(self.input_batch.num_reqs)
-        needs = self._sp_needs
-        k = max(needs.topk, 8 if needs.tree_topk else 0)
-        if k and logits is not None:
-            probs = torch.softmax(logits.float(), dim=-1)
-            vals, ids = probs.topk(k, dim=-1)
-            self._sp_topk = (ids, vals)
+            state.logit_rows = np.ones(self.input_batch.num_reqs, dtype=np.int64)
+        state.logit_base = np.cumsum(state.logit_rows) - state.logit_rows
         try:
-            if spec_decode_metadata is None or not self._sp_step_trees:
+            if spec_decode_metadata is None or not state.trees:
                 out = super()._sample(logits, spec_decode_metadata)
                 if spec_decode_metadata is not None:
                     acc = (out.sampled_token_ids != -1).sum(-1).tolist()
                     for i, a in enumerate(acc):
-                        self._sp_rows[i] = list(range(max(a, 1)))
+                        state.accepted_rows[i] = list(range(max(a, 1)))
                     self._sp_stats.record_chains(
                         [_num_real(d) for d in _drafts_per_request(spec_decode_metadata)],
                         acc)
-                return out
-            return self._sp_sample_trees(logits, spec_decode_metadata)
+            else:
+                out = self._sp_sample_trees(logits, spec_decode_metadata, state)
         finally:
-            self._sp_step = None
-            self._sp_step_trees = {}
+            state.attention = None
+        self._sp_topk(logits, state)
+        return out
 
-    def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata):
+    def _sp_topk(self, logits, state: StepState) -> None:
+        """Top-k probabilities of only the logits rows methods read: each
+        request's accepted rows (every row of its tree with ``tree_topk``)."""
+        needs = self._sp_needs
+        k = max(needs.topk, 8 if needs.tree_topk else 0)
+        if not k or logits is None:
+            return
+        n_rows = logits.shape[0]
+        n_per = state.logit_rows
+        want = []
+        for i, base in enumerate(state.logit_base):
+            rel = (range(int(n_per[i])) if needs.tree_topk
+                   else state.accepted_rows.get(i, [0]))
+            want.extend(int(base) + r for r in rel)
+        sel = np.unique(np.asarray(want, dtype=np.int64))
+        sel = sel[sel < n_rows]
+        where = np.full(n_rows, -1, dtype=np.int64)
+        where[sel] = np.arange(len(sel))
+        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        probs = torch.softmax(logits.index_select(0, idx).float(), dim=-1)
+        vals, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        state.topk = (ids, vals, where)
+
+    def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata, state: StepState):
         sm = self.input_batch.sampling_metadata
         n_draft = meta.num_draft_tokens
         drafts = _drafts_per_request(meta)
+        base = state.logit_base
         temps = self.input_batch.temperature_cpu[: len(n_draft)]
         greedy = {i for i, t in enumerate(temps) if sm.all_greedy or t == 0.0}
-        probs = None
-        if any(i not in greedy for i in self._sp_step_trees):
-            rows_per_req = torch.tensor(
-                np.cumsum(np.asarray(n_draft) + 1), device=logits.device
-            )
+        sampled = sorted(i for i in state.trees if i not in greedy)
+        argmax = None
+        if len(sampled) < len(state.trees):
+            argmax = logits.argmax(dim=-1).tolist()
+        walks = None
+        if sampled:
+            # Probabilities only for the sampled tree requests' rows, under
+            # their own temperature/top-k/top-p (zero rows for the others in
+            # vLLM's per-request expansion).
+            counts = np.zeros(len(n_draft), dtype=np.int64)
+            for i in sampled:
+                counts[i] = n_draft[i] + 1
+            sel = np.concatenate([base[i] + np.arange(counts[i]) for i in sampled])
+            prob_base = dict(zip(sampled, np.cumsum(counts[sampled]) - counts[sampled]))
+            cu = torch.as_tensor(np.cumsum(counts)).to(logits.device, non_blocking=True)
+            idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
             probs = torch.softmax(
-                apply_sampling_constraints(logits.float().clone(), rows_per_req, sm),
-                dim=-1,
-            )
-        chosen = choose_paths(
-            self._sp_step_trees, drafts, self._sp_logit_base, greedy,
-            logits.argmax(dim=-1).tolist(), probs, sm.generators,
-        )
+                apply_sampling_constraints(logits.index_select(0, idx).float(), cu, sm),
+                dim=-1)
+            walks = child_probs(state.trees, drafts, sampled, probs,
+                                {i: int(b) for i, b in prob_base.items()}, sm.generators)
+            del probs
+        chosen = choose_paths(state.trees, drafts, base, greedy, argmax, walks)
         path_meta, gather, path_tokens = path_chain_metadata(
-            chosen.paths, drafts, self._sp_logit_base, logits.device
+            chosen.paths, drafts, base, logits.device
         )
         draft_probs = None
-        if probs is not None:
+        if sampled:
             draft_probs = draft_probs_tensor(chosen.q_rows, logits.shape[-1], logits.device)
         if sm.spec_token_ids is not None:
             sm = dataclasses.replace(sm, spec_token_ids=path_tokens)
         out = self.rejection_sampler(path_meta, draft_probs, logits[gather], sm)
 
         accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
-        self._sp_move_kv(chosen.paths, accepted)
+        self._sp_move_kv(state, chosen.paths, accepted)
         for i, path in enumerate(chosen.paths):
-            self._sp_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
+            state.accepted_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
         self._sp_stats.record_trees([_num_real(d) for d in drafts], accepted,
-                                    self._sp_step_trees)
+                                    state.trees)
         return out
 
-    def _sp_move_kv(self, paths, accepted) -> None:
-        step = self._sp_step
-        if step is None or not step.capture:
+    def _sp_move_kv(self, state: StepState, paths, accepted) -> None:
+        """The accepted path's K/V to the slots of consecutive positions, from
+        the cache's own slots (node j was written at depth-order row j+1)."""
+        step = state.attention
+        if step is None:
             return
-        moves, offset = [], 0
-        slots = step.slot_mapping
+        src, dst = [], []
         for r in step.rows:
-            path = paths[r.req_index][: accepted[r.req_index]]
-            for k, j in enumerate(path):
-                if j != k:  # node j sits in the slot of depth j+1, not k+1
-                    moves.append((offset + 1 + j, int(slots[r.row_start + 1 + k])))
-            offset += r.num_nodes + 1
-        self._sp_stats.kv_moves += len(moves)
-        move_accepted_kv(step, moves)
+            for k, j in enumerate(paths[r.req_index][: accepted[r.req_index]]):
+                if j != k:  # node j sits in the slot of row j+1, not k+1
+                    src.append(r.row_start + 1 + j)
+                    dst.append(r.row_start + 1 + k)
+        self._sp_stats.kv_moves += len(src)
+        move_accepted_kv(step, src, dst, self._sp_head_size, self._sp_kv_layout)
 
     # ---------------------------------------------------------- drafting
     def execute_model(self, scheduler_output, *args, **kwargs):
@@ -464,6 +621,7 @@ class SpecplugRunnerMixin:
         all_decode = True
         needs = self._sp_needs
         qsl = self.query_start_loc.np
+        state = self._sp_state
         batch: list[StepRequest] = []
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         for i, rid in enumerate(self.input_batch.req_ids):
@@ -473,8 +631,12 @@ class SpecplugRunnerMixin:
             n_prompt = int(self.input_batch.num_prompt_tokens[i])
             is_decode = rid in scheduled or (n_sched == 1 and c >= n_prompt)
             all_decode &= is_decode
-            rel = self._sp_rows.get(i, [0]) if is_decode else list(range(n_sched))
-            rows = torch.as_tensor(qsl[i] + np.asarray(rel), device=hidden_states.device)
+            if is_decode:  # rows relative to the root (vLLM: the last m+1 rows)
+                rel = state.accepted_rows.get(i, [0])
+                first = int(state.root_row[i])
+            else:
+                rel, first = list(range(n_sched)), int(qsl[i])
+            rows = torch.as_tensor(first + np.asarray(rel), device=hidden_states.device)
             req = self.requests.get(rid)
             sp = req.sampling_params if req is not None else None
             sampled = len(sampled_token_ids[i]) > 0
@@ -496,8 +658,8 @@ class SpecplugRunnerMixin:
                 sreq.hidden = hidden_states[rows]
             if needs.hidden_layer is not None and aux_hidden_states:
                 sreq.layer_hidden = aux_hidden_states[0][rows]
-            self._sp_fill_topk(sreq, i, rel, is_decode, hidden_states, rows, qsl,
-                               n_sched)
+            self._sp_fill_topk(sreq, state, i, rel, is_decode, hidden_states, rows,
+                               first, n_sched)
             self._sp_count_sources(sreq)
             batch.append(sreq)
         t1 = time.perf_counter()
@@ -551,8 +713,9 @@ class SpecplugRunnerMixin:
         step_seconds = _tp_rank0_float(step_seconds)
         if step_seconds > 0:
             ctl.observe_step(scheduler_output.total_num_scheduled_tokens, step_seconds)
+        state = self._sp_state
         for i, sreq in enumerate(batch):
-            rows = self._sp_rows.get(i)
+            rows = state.accepted_rows.get(i) if state is not None else None
             accepted = len(rows) - 1 if rows is not None and sreq.draft_kept else None
             ctl.learn(sreq.req_id, sreq.token_ids, accepted)
         cut, _ = ctl.choose([s.req_id for s in batch], trees,
@@ -560,29 +723,32 @@ class SpecplugRunnerMixin:
                             rows=sum(1 for s in batch if s.sampled))
         return cut
 
-    def _sp_fill_topk(self, sreq, i, rel, is_decode, hidden_states, rows, qsl,
-                      n_sched) -> None:
+    def _sp_fill_topk(self, sreq, state, i, rel, is_decode, hidden_states, rows,
+                      first, n_sched) -> None:
         needs = self._sp_needs
-        if self._sp_topk is None:
+        if state is None or state.topk is None:
             return
-        ids, vals = self._sp_topk
-        base = int(self._sp_logit_base[i])
+        ids, vals, where = state.topk
+        base = int(state.logit_base[i])
         if is_decode:
-            lrows = torch.as_tensor([base + r for r in rel], device=ids.device)
+            lrows = torch.as_tensor(where[[base + r for r in rel]], device=ids.device)
             sreq.topk_ids, sreq.topk_probs = ids[lrows], vals[lrows]
             if needs.tree_topk:
-                # Every verified row of the tree, accepted or not.
-                sreq.node_tokens = self.input_ids.gpu[qsl[i] : qsl[i] + n_sched].clone()
-                sreq.node_topk_ids = ids[base : base + n_sched]
+                # Every verified row of the tree (root + nodes), accepted or not.
+                n1 = int(state.logit_rows[i])
+                root = int(state.root_row[i])
+                sreq.node_tokens = self.input_ids.gpu[root : root + n1].clone()
+                sreq.node_topk_ids = ids[torch.as_tensor(where[base : base + n1],
+                                                         device=ids.device)]
         elif needs.prefill_topk and n_sched > 0:
             lg = self.model.compute_logits(hidden_states[rows])
             v, t = torch.softmax(lg.float(), -1).topk(ids.shape[-1], dim=-1)
             sreq.topk_ids, sreq.topk_probs = t, v
-            sreq.node_tokens = self.input_ids.gpu[qsl[i] : qsl[i] + n_sched].clone()
+            sreq.node_tokens = self.input_ids.gpu[first : first + n_sched].clone()
             sreq.node_topk_ids = t
         elif sreq.sampled:
             # Only the prompt's last position has logits without prefill_topk.
-            row = torch.as_tensor([base], device=ids.device)
+            row = torch.as_tensor([where[base]], device=ids.device)
             sreq.topk_ids, sreq.topk_probs = ids[row], vals[row]
 
     # --------------------------------------------------------------- stats

@@ -4,23 +4,30 @@ vLLM's attention kernels are causal: node ``j`` of a draft tree would see
 every node laid out before it, siblings included. We let the backend run as
 usual (it is right for every row that is not a tree node: prefills, chains,
 the tree's root) and then recompute the tree rows with a per-request
-ancestor mask:
+ancestor mask. vLLM 0.32 writes a step's K/V to the paged cache before the
+attention forward (``unified_kv_cache_update``), so when the wrapper runs
+every tree row's K/V already sits at its linear slot:
 
-- context keys (positions before the root) come from the paged cache, read
-  through ``read_context_kv`` whose layout assumption is checked once at
-  start-up by a round trip through the backend's own writer;
-- the step's own keys (root + nodes) come straight from the layer's inputs,
-  so the nodes' slots in the cache are never read.
+- CPU (``cpu_tree_rows``): context keys (positions before the root) are read
+  from the paged cache through ``read_context_kv``, whose layout assumption is
+  checked once at start-up by a round trip through the backend's own writer;
+  the step's own keys (root + nodes) come straight from the layer's inputs.
+- GPU (``gpu_tree_rows``, FLASH_ATTN/TRITON_ATTN): the Triton tree kernel
+  reads every key (context, root, nodes) from the cache, split exactly as the
+  backends split it: ``kv_cache [blocks, kv_heads, block_size, 2*head]`` ->
+  ``transpose(1, 2).split(head, -1)`` -> K and V ``[blocks, block_size,
+  kv_heads, head]`` views (any physical stride order).
 
-The same wrapper captures the tree rows' K/V so that, after acceptance, the
-accepted path can be written to consecutive slots with the backend's writer
-(``do_kv_cache_update``), whatever the backend's in-block layout is.
+After acceptance the accepted path's K/V is moved to consecutive slots from
+the cache's own slots (``move_accepted_kv``, the ``kv_move`` kernel on GPU):
+nothing is copied out of the forward pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -29,7 +36,8 @@ class TreeRow:
     """One request whose draft is a real tree (not a chain) in this step."""
 
     row_start: int
-    """Flat index of the root row (the last verified token) in the batch."""
+    """Flat index of the root row (the last verified token) in the batch:
+    vLLM's convention, the first of the request's last ``num_nodes + 1`` rows."""
     num_nodes: int
     """Tree nodes after the root (rows ``row_start+1 .. row_start+num_nodes``)."""
     context_len: int
@@ -42,20 +50,39 @@ class TreeRow:
 
 @dataclass
 class TreeStep:
-    """Everything the attention wrapper needs for one forward pass."""
+    """What the attention wrapper needs for one forward pass (and what it
+    leaves behind for the KV move)."""
 
     rows: list[TreeRow]
-    capture: dict[str, tuple] = field(default_factory=dict)
-    """layer name -> (layer, kv_cache, key rows, value rows) of tree requests."""
+    caches: dict[str, tuple] = field(default_factory=dict)
+    """layer name -> (layer, kv_cache): references, no copies."""
     slot_mapping: torch.Tensor | None = None
-    """The step's slot per flat token row (where the KV move writes to)."""
+    """The step's slot per flat token row (source and target of the KV move)."""
+    _gpu: dict | None = None
+    """The GPU kernel's per-step inputs, built on the first layer, reused by
+    the others (one host->device copy per step, not per layer)."""
 
-    def capture_index(self) -> torch.Tensor:
-        idx = [
-            torch.arange(r.row_start, r.row_start + r.num_nodes + 1)
-            for r in self.rows
-        ]
-        return torch.cat(idx)
+    def gpu_inputs(self, device) -> dict:
+        if self._gpu is None:
+            from vllm_specplug.kernels.tree_attention import pack_tree_mask
+
+            n = np.asarray([r.num_nodes for r in self.rows], dtype=np.int64)
+            qsl = np.zeros(len(self.rows) + 1, dtype=np.int32)
+            qsl[1:] = np.cumsum(n)
+            rows = np.concatenate([np.arange(r.row_start + 1, r.row_start + 1 + r.num_nodes)
+                                   for r in self.rows])
+            masks = torch.cat([pack_tree_mask(r.mask[:, 1:].cpu()) for r in self.rows])
+            seq_lens = [r.context_len + 1 + r.num_nodes for r in self.rows]
+
+            def dev(x, dtype):
+                return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+            self._gpu = dict(
+                rows=dev(rows, torch.long), qsl=dev(qsl, torch.int32),
+                seq_lens=dev(seq_lens, torch.int32), tree_mask=dev(masks, torch.int64),
+                req=dev([r.req_index for r in self.rows], torch.long),
+            )
+        return self._gpu
 
 
 def cpu_split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +92,36 @@ def cpu_split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     nb, kvh, bs, two_d = kv_cache.shape
     kv = kv_cache.view(nb, kvh, bs * 2, two_d // 2)
     return kv[:, :, :bs], kv[:, :, bs:]
+
+
+def gpu_split_cache(kv_cache: torch.Tensor, head_size: int):
+    """FLASH_ATTN's and TRITON_ATTN's own split of a layer cache
+    ``[blocks, kv_heads, block_size, 2*head]`` into K and V views
+    ``[blocks, block_size, kv_heads, head]`` (``flash_attn.py``
+    ``do_kv_cache_update``/``forward``, ``triton_attn.py`` likewise)."""
+    return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+
+
+def slot_views(kv_cache: torch.Tensor, head_size: int, layout: str):
+    """K and V of one layer as ``[blocks, block_size, kv_heads, head]`` views
+    of the cache's own memory (what ``kv_move`` moves slots in).
+
+    ``layout``: ``"gpu"`` (FLASH_ATTN/TRITON_ATTN), or one of
+    ``CPU_KV_LAYOUTS`` for vLLM's CPU backend.
+    """
+    if layout == "gpu":
+        return gpu_split_cache(kv_cache, head_size)
+    k, v = cpu_split_cache(kv_cache)
+    v = v.permute(0, 2, 1, 3)
+    if layout == "k_transposed":
+        # A key block is stored [kv_heads, head, block_size]: token t, dim e of
+        # head h at h*head*bs + e*bs + t inside the block.
+        nb, kvh, bs, d = k.shape
+        k = torch.as_strided(k, (nb, bs, kvh, d), (k.stride(0), 1, k.stride(1), bs),
+                             k.storage_offset())
+    else:
+        k = k.permute(0, 2, 1, 3)
+    return k, v
 
 
 # In-block layouts of vLLM's CPU cache seen per ISA path. "k_transposed"
@@ -131,13 +188,15 @@ class TreeAttentionWrapper:
     """Wraps one attention layer's ``impl.forward`` (see module docstring)."""
 
     layout = "k_transposed"
-    """Set once by the runner's start-up round trip (see CPU_KV_LAYOUTS)."""
+    """CPU: set once by the runner's start-up round trip (see CPU_KV_LAYOUTS)."""
 
-    def __init__(self, layer_name: str, impl, get_step) -> None:
+    def __init__(self, layer_name: str, impl, get_step, gpu: bool | None = None) -> None:
         self.layer_name = layer_name
         self.impl = impl
         self.inner = impl.forward
         self.get_step = get_step
+        self.gpu = gpu
+        """GPU path (Triton kernel on the paged cache); None: by the cache's device."""
 
     def __call__(self, layer, query, key, value, kv_cache, attn_metadata,
                  output, *args, **kwargs):
@@ -146,73 +205,77 @@ class TreeAttentionWrapper:
         step: TreeStep | None = self.get_step()
         if step is None or attn_metadata is None or not step.rows:
             return out
-        idx = step.capture_index().to(key.device)
-        step.capture[self.layer_name] = (
-            layer, kv_cache, key.index_select(0, idx), value.index_select(0, idx)
-        )
+        step.caches[self.layer_name] = (layer, kv_cache)
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping
         o = output.view(output.shape[0], self.impl.num_heads, -1)
-        if kv_cache.is_cuda:
-            self._fix_rows_cuda(step, query, kv_cache, attn_metadata, o)
-            return out
-        for r in step.rows:
-            s = r.row_start
-            k_ctx, v_ctx = read_context_kv(
-                kv_cache, attn_metadata.block_table[r.req_index], r.context_len,
-                self.layout,
-            )
-            o[s + 1 : s + 1 + r.num_nodes] = masked_tree_attention(
-                query[s + 1 : s + 1 + r.num_nodes],
-                k_ctx, v_ctx,
-                key[s : s + 1 + r.num_nodes],
-                value[s : s + 1 + r.num_nodes],
-                r.mask,
-                self.impl.scale,
-            )
+        gpu = kv_cache.is_cuda if self.gpu is None else self.gpu
+        if gpu:
+            gpu_tree_rows(step, query, kv_cache, attn_metadata.block_table, o,
+                          self.impl.head_size, self.impl.scale)
+        else:
+            cpu_tree_rows(step, query, key, value, kv_cache, attn_metadata.block_table,
+                          o, self.impl.scale, self.layout)
         return out
 
 
-    def _fix_rows_cuda(self, step, query, kv_cache, attn_metadata, o) -> None:
-        """GPU: the tree rows through the Triton kernel, reading every key
-        (context, root, nodes) from the paged cache, which vLLM has already
-        written. Cache layout of the FLASH_ATTN/TRITON_ATTN backends:
-        ``[2, blocks, block_size, kv_heads, head]``."""
-        from vllm_specplug.kernels.tree_attention import pack_tree_mask, tree_attention
-
-        dev = query.device
-        k_cache, v_cache = kv_cache.unbind(0)
-        rows = torch.cat([torch.arange(r.row_start + 1, r.row_start + 1 + r.num_nodes)
-                          for r in step.rows]).to(dev)
-        n = torch.tensor([r.num_nodes for r in step.rows])
-        qsl = torch.zeros(len(step.rows) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(n, 0)
-        seq_lens = torch.tensor([r.context_len + 1 + r.num_nodes for r in step.rows],
-                                dtype=torch.int32)
-        idx = torch.tensor([r.req_index for r in step.rows], device=dev)
-        masks = torch.cat([pack_tree_mask(r.mask[:, 1:].cpu()) for r in step.rows])
-        out = tree_attention(
-            query.index_select(0, rows), k_cache, v_cache,
-            attn_metadata.block_table.index_select(0, idx), seq_lens.to(dev),
-            qsl.to(dev), self.impl.scale, tree_mask=masks.to(dev),
+def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
+                  scale: float, layout: str) -> None:
+    """CPU: recompute the tree rows of ``o`` ``[tokens, heads, head]`` in place."""
+    for r in step.rows:
+        s = r.row_start
+        k_ctx, v_ctx = read_context_kv(kv_cache, block_table[r.req_index],
+                                       r.context_len, layout)
+        o[s + 1 : s + 1 + r.num_nodes] = masked_tree_attention(
+            query[s + 1 : s + 1 + r.num_nodes],
+            k_ctx, v_ctx,
+            key[s : s + 1 + r.num_nodes],
+            value[s : s + 1 + r.num_nodes],
+            r.mask,
+            scale,
         )
-        o.index_copy_(0, rows, out.to(o.dtype))
 
 
-def move_accepted_kv(step: TreeStep, moves: list[tuple[int, int]]) -> None:
-    """Write captured K/V rows to new slots with each backend's own writer.
+def gpu_tree_rows(step: TreeStep, query, kv_cache, block_table, o, head_size: int,
+                  scale: float) -> None:
+    """GPU: the tree rows through the Triton kernel, reading every key
+    (context, root, nodes) from the paged cache, which vLLM has already
+    written. No host sync: the kernel's inputs are built once per step."""
+    from vllm_specplug.kernels.tree_attention import tree_attention
 
-    ``moves``: (index into the capture rows, destination slot).
+    g = step.gpu_inputs(query.device)
+    k_cache, v_cache = gpu_split_cache(kv_cache, head_size)
+    out = tree_attention(
+        query.index_select(0, g["rows"]), k_cache, v_cache,
+        block_table.index_select(0, g["req"]), g["seq_lens"], g["qsl"], scale,
+        tree_mask=g["tree_mask"],
+    )
+    o.index_copy_(0, g["rows"], out.to(o.dtype))
+
+
+def move_accepted_kv(step: TreeStep, src_rows, dst_rows, head_size: int,
+                     layout: str) -> None:
+    """Copy the K/V of flat rows ``src_rows`` to the slots of ``dst_rows``, in
+    every layer's cache, from the cache's own slots (all sources are read
+    before any destination is written).
+
+    ``layout``: ``"gpu"`` or the CPU layout (see ``slot_views``).
     """
-    if not moves:
+    if len(src_rows) == 0 or step.slot_mapping is None:
         return
-    src = torch.tensor([m[0] for m in moves], dtype=torch.long)
-    dst = torch.tensor([m[1] for m in moves], dtype=torch.long)
-    for layer, kv_cache, k_rows, v_rows in step.capture.values():
-        layer.impl.do_kv_cache_update(
-            layer,
-            k_rows.index_select(0, src.to(k_rows.device)),
-            v_rows.index_select(0, src.to(v_rows.device)),
-            kv_cache,
-            dst.to(kv_cache.device),
-        )
+    from vllm_specplug.kernels.kv_move import kv_move
+
+    slots = step.slot_mapping
+    src = torch.as_tensor(src_rows, dtype=torch.long).to(slots.device, non_blocking=True)
+    dst = torch.as_tensor(dst_rows, dtype=torch.long).to(slots.device, non_blocking=True)
+    src_slots, dst_slots = slots[src].long(), slots[dst].long()
+    done = set()
+    for _, kv_cache in step.caches.values():
+        # Layers sharing one cache (kv_sharing_target_layer_name) move once:
+        # a second pass would read slots the first one already overwrote.
+        key = (kv_cache.data_ptr(), tuple(kv_cache.stride()))
+        if key in done:
+            continue
+        done.add(key)
+        k, v = slot_views(kv_cache, head_size, layout)
+        kv_move(k, v, src_slots, dst_slots)
