@@ -169,6 +169,12 @@ class AdaPLDConfig(MethodConfig):
             )
 
 
+    def check_engine(self, vllm_config) -> None:
+        """Before the engine starts: ``hidden_layer`` exists in the target."""
+        resolve_layer(self.hidden_layer,
+                      vllm_config.model_config.get_total_num_hidden_layers())
+
+
 def resolve_layer(hidden_layer: int | None, num_hidden_layers: int) -> int:
     """The decoder layer to capture; a one-line error naming ``hidden_layer``."""
     if hidden_layer is None:
@@ -793,7 +799,9 @@ class AdaPLDProposer(Proposer):
         hits / lexical misses) and acceptance of the drafts one step later
         (``fallback_recovery_rate``: share of semantic-fallback drafts with
         at least one accepted token)."""
+        live = set(self.memories._mems) | set(self._pending) | set(self._vocabs)
         return {**self.counters, "live_memories": len(self.memories),
+                "live_requests": len(live),
                 "memory_bytes": self.memories.nbytes, **self.rates(self.counters)}
 
     @staticmethod

@@ -63,6 +63,23 @@ class RecycleConfig(MethodConfig):
             )
 
 
+    def check_engine(self, vllm_config) -> None:
+        """Before the engine starts: the warm-start table's vocabulary is the
+        target's (a table from another tokenizer is an error)."""
+        if self.table_path is None:
+            return
+        vocab = vllm_config.model_config.get_vocab_size()
+        try:
+            meta = AdjacencyTable.read_header(self.table_path)
+            if int(meta["vocab_size"]) != vocab:
+                raise ValueError(
+                    f"adjacency table {self.table_path} was built for a vocabulary of "
+                    f"{meta['vocab_size']} tokens (model '{meta.get('model_id', '?')}'), "
+                    f"but this model has {vocab}: rebuild it with `specplug adjacency build`")
+        except (ValueError, KeyError) as e:
+            raise SpecplugConfigError(f"speculative_config['table_path']: {e}") from None
+
+
 class RecycleProposer(Proposer):
     name = "recycle"
     config_cls = RecycleConfig
@@ -183,5 +200,6 @@ class RecycleProposer(Proposer):
         update covers every request of the step, the expansion every live one)."""
         tables = [self.table, *self._own.values()]
         return {"table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
+                "live_requests": len(self._own),
                 "filled_rows": self.table.num_filled(),
                 "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()}

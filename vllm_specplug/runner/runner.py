@@ -40,6 +40,7 @@ from vllm_specplug.engine.interface import ProposerContext, StepRequest
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
 from vllm_specplug.engine.verify import choose_paths, draft_probs_tensor
+from vllm_specplug.runner.guard import guard_for
 from vllm_specplug.runner.tree_attention import (
     CPU_KV_LAYOUTS,
     TreeAttentionWrapper,
@@ -464,7 +465,8 @@ class SpecplugRunnerMixin:
                                n_sched)
             batch.append(sreq)
         t1 = time.perf_counter()
-        trees = self._sp_proposer.propose(batch)
+        # A method bug must not take the server down (runner/guard.py).
+        trees = guard_for(self).propose(self._sp_proposer, batch)
         t2 = time.perf_counter()
         drafts: list[list[int]] = []
         for sreq, tree in zip(batch, trees):
@@ -509,6 +511,7 @@ class SpecplugRunnerMixin:
     # --------------------------------------------------------------- stats
     def specplug_stats(self) -> dict[str, Any]:
         stats = self._sp_stats.as_dict()
+        stats["live_trees"] = len(self._sp_trees)  # 0 once every request is gone
         if hasattr(self._sp_proposer, "stats"):
             stats["method"] = self._sp_proposer.stats()
         return stats
