@@ -553,6 +553,28 @@ def _checks(report: dict) -> dict[str, bool]:
     }
 
 
+def build_store(model: str, out: str) -> str:
+    """A small DReSD store for the soak: the reference model's hidden states
+    over the soak's own prompts used as a text corpus (no generation), so
+    ``dresd`` finds neighbours without a long build."""
+    from vllm_specplug.datastore.dense import DenseDatastore, build_dense_datastore
+
+    try:
+        DenseDatastore.open(out, verify_checksums=False)
+        return out
+    except Exception:  # noqa: BLE001 - (re)build below
+        pass
+    corpus = out.rstrip("/") + ".corpus.jsonl"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(corpus, "w") as f:
+        for p in PROMPTS * 4:
+            f.write(json.dumps({"text": p}) + "\n")
+    build_dense_datastore(model, out, corpus=corpus, n_next=9, dims=32,
+                          index="brute_force", num_threads=1, progress=False,
+                          overwrite=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -570,7 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
             **json.loads(args.spec)}
-    report = soak(args.model or reference_model(), spec, args.duration, args.max_requests,
+    model = args.model or reference_model()
+    if args.method == "dresd" and "datastore" not in spec:
+        spec["datastore"] = build_store(model, os.path.join(
+            tempfile.gettempdir(), "specplug-soak-store"))
+    report = soak(model, spec, args.duration, args.max_requests,
                   args.concurrency, args.max_tokens, args.abort_rate, args.seed,
                   progress=lambda s: print(s, file=sys.stderr, flush=True))
     text = json.dumps(report, indent=2)

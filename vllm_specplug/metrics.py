@@ -12,10 +12,10 @@ exactly k). It is idle for engines that run no specplug method.
 The runner's fault counters (``specplug:propose_faults``: steps where the
 method raised or returned an unusable tree; ``specplug:fault_requests``:
 requests that decoded without speculation because of it) are not part of
-vLLM's scheduler stats: each worker rank writes them to a small JSON file named by
-the engine's ``instance_id`` (:class:`WorkerStatsFile`, at most once a second
-and at once after a fault) and this logger, in the API server's process,
-exports them.
+vLLM's scheduler stats: each worker rank writes them to a small JSON file
+(:class:`WorkerStatsFile`, when they change) named by an id the front end puts
+in the environment its engine processes inherit (``SPECPLUG_STATS_ID``), and
+this logger, in the API server's process, exports them.
 """
 
 from __future__ import annotations
@@ -41,15 +41,29 @@ def _counter(name: str, doc: str, labels=()) -> Counter:
     return _METRICS[name]
 
 
-def worker_stats_glob(instance_id: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"specplug-stats-{instance_id}-rank*.json")
+STATS_ID_ENV = "SPECPLUG_STATS_ID"
+
+
+def stats_id() -> str:
+    """The id that names this server's worker stats files: set once in the
+    front end (``plugin.rewrite``), inherited by every engine process it
+    starts. (vLLM's ``instance_id`` is not: each process re-derives it.) An
+    id inherited from a parent process is replaced: two servers started from
+    one shell must not share files."""
+    if not os.environ.get(STATS_ID_ENV, "").startswith(f"{os.getpid()}-"):
+        os.environ[STATS_ID_ENV] = f"{os.getpid()}-{os.urandom(4).hex()}"
+    return os.environ[STATS_ID_ENV]
+
+
+def worker_stats_glob(sid: str) -> str:
+    return os.path.join(tempfile.gettempdir(), f"specplug-stats-{sid}-rank*.json")
 
 
 class WorkerStatsFile:
     """A worker rank's runner counters, for the front end's logger."""
 
-    def __init__(self, instance_id: str, rank: int, min_interval: float = 1.0) -> None:
-        self.path = worker_stats_glob(instance_id).replace("*", str(rank))
+    def __init__(self, sid: str, rank: int, min_interval: float = 1.0) -> None:
+        self.path = worker_stats_glob(sid).replace("*", str(rank))
         self.min_interval = min_interval
         self._last_write = 0.0
         self._last: dict | None = None
@@ -61,7 +75,7 @@ class WorkerStatsFile:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump(counters, f)
+                json.dump({**counters, "pid": os.getpid()}, f)
             os.replace(tmp, self.path)  # readers never see half a file
         except OSError:
             return  # metrics are best effort; serving goes on
@@ -89,9 +103,10 @@ class SpecplugStatLogger(StatLoggerBase):
                                        "step because of a method fault")
         for c in (self.trees, self.nodes, self.depth, self.faults, self.fault_requests):
             c.labels(self.method)  # exported from start-up, at 0
-        self._files = worker_stats_glob(getattr(vllm_config, "instance_id", "") or "none")
+        self._files = worker_stats_glob(stats_id())
         self._seen: dict[str, dict] = {}
         self._mtimes: dict[str, float] = {}
+        self._since = time.time() - 1  # files of engines before this one are stale
         self._next_read = 0.0
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
@@ -121,7 +136,7 @@ class SpecplugStatLogger(StatLoggerBase):
         for path in glob.glob(self._files):
             try:
                 mtime = os.stat(path).st_mtime
-                if self._mtimes.get(path) == mtime:
+                if self._mtimes.get(path) == mtime or mtime < self._since:
                     continue
                 with open(path) as f:
                     new = json.load(f)
@@ -129,6 +144,8 @@ class SpecplugStatLogger(StatLoggerBase):
                 continue
             self._mtimes[path] = mtime
             old = self._seen.get(path, {})
+            if old.get("pid") != new.get("pid"):
+                old = {}  # another worker process (a restarted engine) counts from 0
             m = self.method
             for key, counter in (("propose_faults", self.faults),
                                  ("fault_requests", self.fault_requests)):

@@ -157,9 +157,11 @@ def rewrite(spec: dict, worker_cls: str, additional: dict | None):
     from vllm.platforms import current_platform
 
     from vllm_specplug.config import split_speculative_config
+    from vllm_specplug.metrics import stats_id
     from vllm_specplug.version import check_vllm_version
 
     check_vllm_version()
+    stats_id()  # before any engine process starts: they inherit it
     method, config, vllm_keys = split_speculative_config(spec)
     device = current_platform.device_type
     if device not in _WORKERS:

@@ -123,11 +123,13 @@ def guard_for(runner) -> ProposeGuard:
     are only known once the worker is up)."""
     guard = getattr(runner, "_sp_guard", None)
     if guard is None:
-        from vllm_specplug.metrics import WorkerStatsFile
+        import os
+
+        from vllm_specplug.metrics import STATS_ID_ENV, WorkerStatsFile
 
         tp = tp_group_or_none()
         rank = 0 if tp is None else tp.rank_in_group
-        publish = WorkerStatsFile(runner.vllm_config.instance_id or "none", rank)
+        publish = WorkerStatsFile(os.environ.get(STATS_ID_ENV, "none"), rank)
         guard = runner._sp_guard = ProposeGuard(
             runner.model_config.get_vocab_size(), runner._sp_stats, publish, tp)
     return guard
