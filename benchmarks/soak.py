@@ -541,7 +541,10 @@ def _checks(report: dict) -> dict[str, bool]:
         and "error" not in st,
         "no_propose_faults": m["specplug_propose_faults"] == 0
         and st.get("propose_faults", 0) == 0,
-        "finished_counts_match": m["success_stop_length"] == s["completed_choices"],
+        # An "aborted" stream may have finished server-side before the client
+        # closed it: it then counts as stop/length, not abort.
+        "finished_counts_match": s["completed_choices"] <= m["success_stop_length"]
+        <= s["completed_choices"] + s["aborted"],
         "no_error_finishes": m["success_error"] == 0,
         "aborts_counted": m["success_abort"] <= s["aborted"],
         "generation_tokens_match": s["completion_tokens"] <= m["generation_tokens"]
@@ -589,7 +592,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--abort-rate", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON report")
+    ap.add_argument("--recheck", help="recompute the checks of a saved JSON report")
     args = ap.parse_args(argv)
+    if args.recheck:
+        with open(args.recheck) as f:
+            report = json.load(f)
+        report["checks"] = _checks(report)
+        report["passed"] = all(report["checks"].values())
+        with open(args.recheck, "w") as f:
+            f.write(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["checks"], indent=1))
+        return 0 if report["passed"] else 1
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
             **json.loads(args.spec)}
     model = args.model or reference_model()
