@@ -51,6 +51,7 @@ class ProposeGuard:
 
     def propose(self, proposer, batch: list) -> list[DraftTree | None]:
         faulty: set[int] = set()
+        raised = False
         try:
             trees = list(proposer.propose(batch))
             if len(trees) != len(batch):
@@ -58,6 +59,7 @@ class ProposeGuard:
                                    f"{len(batch)} requests")
         except Exception as e:  # noqa: BLE001 - any method bug must fall back
             self._log(e, proposer, [r.req_id for r in batch])
+            raised = True
             trees = []
             for i, req in enumerate(batch):
                 try:
@@ -72,12 +74,12 @@ class ProposeGuard:
                                      "vocabulary"), proposer, [batch[i].req_id])
                 faulty.add(i)
                 trees[i] = None
-        if faulty:
+        if faulty or raised:  # a batch that raised counts even if every retry worked
             self.stats.propose_faults += 1
             self.stats.fault_requests += len(faulty)
         trees = self._same_on_every_rank(trees)
         if self.publish is not None:
-            self.publish(self.counters(), force=bool(faulty))
+            self.publish(self.counters(), force=bool(faulty or raised))
         return trees
 
     def _valid(self, tree) -> bool:
@@ -94,9 +96,11 @@ class ProposeGuard:
             return trees
         mine = [None if t is None else (list(t.tokens), list(t.parents)) for t in trees]
         ref = g.broadcast_object(mine, src=0)
-        if ref != mine:
-            self.stats.rank_divergences += 1
-        return [None if r is None else DraftTree(*r) for r in ref]
+        if ref == mine:
+            return trees  # keep the method's own objects (and their extra fields)
+        self.stats.rank_divergences += 1
+        return [t if r == m else (None if r is None else DraftTree(*r))
+                for t, r, m in zip(trees, ref, mine)]
 
     def _log(self, err: Exception, proposer, req_ids: list[str]) -> None:
         if self._logged:
