@@ -30,8 +30,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds: next to a CPU
   # torch they break `import vllm` (operator torchvision::nms does not exist).
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  log "installing scann, test and plot tools"
-  "${PIP[@]}" install "scann==1.4.2" pytest pytest-timeout scipy matplotlib gguf
+  log "installing scann, test, plot and soak tools (openai client, psutil)"
+  "${PIP[@]}" install "scann==1.4.2" pytest pytest-timeout scipy matplotlib gguf openai psutil
   # READER's suffix-array datastore (libdivsufsort's Python binding).
   "${PIP[@]}" install "pydivsufsort==0.0.20"
   # The reference model ships inside this package; its declared deps

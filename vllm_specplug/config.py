@@ -64,3 +64,9 @@ class MethodConfig(BaseModel):
         """Checks across options and ``num_speculative_tokens`` that field
         validators cannot make; raise ``option_error(...)``. Runs at
         start-up, before the engine is built."""
+
+    def check_engine(self, vllm_config) -> None:
+        """Checks that need the engine's whole config (the model, the files
+        options name: a datastore, a table, a head); raise
+        ``SpecplugConfigError`` naming the key. Runs in the front end after
+        vLLM built its config, before any engine process starts."""

@@ -43,23 +43,29 @@ def register() -> None:
         if not isinstance(spec, dict):
             return original(self, *args, **kwargs)
         graphs = self.compilation_config
-        if registry.is_registered(spec.get("method")):
+        specplug = registry.is_registered(spec.get("method"))
+        if specplug:
             new = rewrite(spec, self.worker_cls, self.additional_config)
             graphs = cuda_graph_mode(self.compilation_config, spec.get("method"))
         elif spec.get("method") == "eagle3" and not spec.get("model"):
             new = (_with_default_eagle3_head(spec, str(self.model)), self.worker_cls,
                    self.additional_config)
         else:
+            if spec.get("method") == "eagle3":
+                _check_eagle3_head(str(spec["model"]), str(self.model))
             return original(self, *args, **kwargs)
         saved = (self.speculative_config, self.worker_cls, self.additional_config,
                  self.compilation_config)
         (self.speculative_config, self.worker_cls, self.additional_config,
          self.compilation_config) = (*new, graphs)
         try:
-            return original(self, *args, **kwargs)
+            config = original(self, *args, **kwargs)
         finally:
             (self.speculative_config, self.worker_cls, self.additional_config,
              self.compilation_config) = saved
+        if specplug:
+            check_engine_config(config)
+        return config
 
     create_engine_config._specplug = True
     EngineArgs.create_engine_config = create_engine_config
@@ -109,14 +115,88 @@ def cuda_graph_mode(compilation_config, method: str):
     return compilation_config
 
 
+def _check_eagle3_head(head: str, model: str) -> None:
+    """A specplug-trained head records its target's shape: refuse a head made
+    for another target or vocabulary in one line, instead of a shape error
+    deep in vLLM's loader."""
+    import os
+
+    from vllm_specplug.config import SpecplugConfigError
+    from vllm_specplug.eagle3 import TARGET_MATCH_KEYS, target_config
+
+    meta_path = os.path.join(head, "specplug_eagle3.json")
+    if not os.path.isfile(meta_path):
+        return  # not a specplug head: vLLM checks it
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            recorded = json.load(f).get("target_config", {})
+        target = target_config(model)
+    except (OSError, ValueError):
+        return
+    diff = [f"{k}={recorded.get(k)} (target: {target.get(k)})" for k in TARGET_MATCH_KEYS
+            if k in recorded and recorded.get(k) != target.get(k)]
+    if diff:
+        raise SpecplugConfigError(
+            f"speculative_config['model']: EAGLE-3 head {head} was trained for another "
+            f"target: {', '.join(diff)}")
+
+
+def check_engine_config(config) -> None:
+    """Start-up checks that need the engine's whole config (model, cache,
+    scheduler), run in the front end before any engine process starts.
+    Every failure is one line naming the key."""
+    from vllm.platforms import current_platform
+
+    from vllm_specplug.config import SpecplugConfigError
+
+    spec = config.additional_config[ADDITIONAL_CONFIG_KEY]
+    method = spec["method"]
+    n = config.speculative_config.num_speculative_tokens
+    budget = config.scheduler_config.max_num_batched_tokens
+    if n + 1 > budget:
+        raise SpecplugConfigError(
+            f"speculative_config['num_speculative_tokens']={n}: a draft needs {n + 1} "
+            f"tokens per request per step, more than max_num_batched_tokens={budget}")
+    max_len = config.model_config.max_model_len
+    if n + 1 >= max_len:
+        raise SpecplugConfigError(
+            f"speculative_config['num_speculative_tokens']={n} leaves no room in "
+            f"max_model_len={max_len}")
+    cache_dtype = config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise SpecplugConfigError(
+            f"kv_cache_dtype='{cache_dtype}': specplug tree verification needs "
+            f"kv_cache_dtype='auto' (method '{method}')")
+    window = config.model_config.get_sliding_window()
+    hf = config.model_config.hf_text_config
+    for key, bad in (("sliding_window", window is not None),
+                     ("attn_logit_softcapping", getattr(hf, "attn_logit_softcapping", None)),
+                     ("alibi", getattr(hf, "alibi", False) or getattr(hf, "use_alibi", False))):
+        if bad:
+            raise SpecplugConfigError(
+                f"model config '{key}': specplug tree verification does not support "
+                f"sliding-window attention, ALiBi or logit soft-capping (method '{method}')")
+    if current_platform.is_cpu():
+        import torch
+
+        dtype = config.model_config.dtype
+        if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+            raise SpecplugConfigError(
+                "dtype='bfloat16': on this CPU (AMX) vLLM's attention cache uses a "
+                "packed layout tree verification cannot read; use --dtype float32")
+    registry.get(method).config_cls(**spec["options"]).check_engine(config)
+
+
 def rewrite(spec: dict, worker_cls: str, additional: dict | None):
     """A specplug speculative_config -> (what vLLM gets as speculative_config,
     worker class, additional_config)."""
     from vllm.platforms import current_platform
 
+    from vllm_specplug.metrics import stats_id
     from vllm_specplug.version import check_vllm_version
 
     check_vllm_version()
+    stats_id()  # before any engine process starts: they inherit it
     method, config, vllm_keys = registry.resolve(spec)
     device = current_platform.device_type
     if device not in _WORKERS:

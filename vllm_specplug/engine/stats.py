@@ -18,6 +18,14 @@ class TreeStats:
     preempted: int = 0
     """Requests the scheduler preempted (their trees and method state are
     dropped; they come back through a recompute prefill)."""
+    propose_faults: int = 0
+    """Steps where the method's propose raised or returned an unusable tree
+    (``runner/guard.py``)."""
+    fault_requests: int = 0
+    """Requests that decoded without speculation for a step after a fault."""
+    rank_divergences: int = 0
+    """Steps where this rank's trees differed from rank 0's (tensor
+    parallelism; rank 0's are verified)."""
     accepted_depth_hist: dict[int, int] = field(default_factory=dict)
     tree_size_hist: dict[int, int] = field(default_factory=dict)
     collect_seconds: float = 0.0

@@ -168,6 +168,12 @@ class AdaPLDConfig(MethodConfig):
                 f"or raise num_speculative_tokens", self.branch_width)
 
 
+    def check_engine(self, vllm_config) -> None:
+        """Before the engine starts: ``hidden_layer`` exists in the target."""
+        resolve_layer(self.hidden_layer,
+                      vllm_config.model_config.get_total_num_hidden_layers())
+
+
 def resolve_layer(hidden_layer: int | None, num_hidden_layers: int) -> int:
     """The decoder layer to capture; a one-line error naming ``hidden_layer``."""
     if hidden_layer is None:
@@ -375,8 +381,10 @@ class AdaPLDProposer(Proposer):
 
     def stats(self) -> ProposerStats:
         """Retrieval and acceptance counters; the memory's size."""
+        live = set(self.memories._mems) | set(self._pending) | set(self._vocabs)
         return ProposerStats(counters=dict(self.counters), gauges={
-            "live_memories": len(self.memories), "memory_bytes": self.memories.nbytes})
+            "live_memories": len(self.memories), "live_requests": len(live),
+            "memory_bytes": self.memories.nbytes})
 
     @classmethod
     def rates(cls, c: dict) -> dict[str, float]:

@@ -77,6 +77,23 @@ class DReSDConfig(MethodConfig):
                                    getattr(self, key))
 
 
+    def check_engine(self, vllm_config) -> None:
+        """Before the engine starts: the store opens and fits the target
+        (files, sizes, checksums, hidden size, vocabulary, tokenizer)."""
+        from vllm_specplug.datastore.dense import (DatastoreError, DenseDatastore,
+                                                   tokenizer_fingerprint)
+
+        mc = vllm_config.model_config
+        try:
+            DenseDatastore.open(
+                self.datastore, expect_hidden_size=mc.get_hidden_size(),
+                expect_vocab_size=mc.get_vocab_size(),
+                expect_tokenizer_hash=tokenizer_fingerprint(mc.tokenizer),
+                verify_checksums=self.verify_checksums)
+        except DatastoreError as e:
+            raise SpecplugConfigError(f"speculative_config['datastore']: {e}") from None
+
+
 class DReSDProposer(Proposer):
     name = "dresd"
     config_cls = DReSDConfig
@@ -192,5 +209,6 @@ class DReSDProposer(Proposer):
         """Query latency (per step, one batched ScaNN call) and draft counters."""
         return ProposerStats(counters=dict(self._counts), gauges={
             "query": self._query.as_ms(),
+            "live_requests": 0,  # no per-request state
             "store": {"path": self.store.path, "keys": len(self.store),
                       "index": self.store.index["kind"]}})

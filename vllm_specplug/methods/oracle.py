@@ -44,6 +44,9 @@ class OracleConfig(MethodConfig):
     first (with sampled references this gives realistic sibling sets, for
     distribution tests). ``noise``: random tokens in a random tree of exactly
     ``tree_size`` nodes, whatever the context (cost of verification)."""
+    fail_on_token: int | None = None
+    """Fault injection (tests of the runner's guard): ``propose`` raises
+    whenever a request whose prompt holds this token id is in the batch."""
 
 
 class OracleProposer(Proposer):
@@ -94,6 +97,9 @@ class OracleProposer(Proposer):
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         cfg: OracleConfig = self.config
+        if cfg.fail_on_token is not None and any(
+                cfg.fail_on_token in r.token_ids[: r.num_prompt_tokens] for r in batch):
+            raise RuntimeError(f"oracle: injected fault (fail_on_token={cfg.fail_on_token})")
         out: list[DraftTree | None] = []
         for req in batch:
             self._confirm(req)
@@ -123,7 +129,8 @@ class OracleProposer(Proposer):
 
     def stats(self) -> ProposerStats:
         return ProposerStats(counters={"expected_accepted": self.expected_accepted,
-                                       "drafts": self.drafts})
+                                       "drafts": self.drafts},
+                             gauges={"live_requests": len(self._pending)})
 
 
 def _random_tree(rng, truth, size, max_depth, vocab, shuffle) -> DraftTree:

@@ -70,3 +70,6 @@ class PLDProposer(Proposer):
                 trie.insert(c[: cfg.branch_len])
             out.append(trie.build())
         return out
+
+    def stats(self) -> dict:
+        return {"live_requests": 0}  # stateless: everything is in token_ids

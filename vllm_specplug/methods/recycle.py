@@ -66,6 +66,23 @@ class RecycleConfig(MethodConfig):
             raise option_error("table_path", f"no such file {self.table_path!r}")
 
 
+    def check_engine(self, vllm_config) -> None:
+        """Before the engine starts: the warm-start table's vocabulary is the
+        target's (a table from another tokenizer is an error)."""
+        if self.table_path is None:
+            return
+        vocab = vllm_config.model_config.get_vocab_size()
+        try:
+            meta = AdjacencyTable.read_header(self.table_path)
+            if int(meta["vocab_size"]) != vocab:
+                raise ValueError(
+                    f"adjacency table {self.table_path} was built for a vocabulary of "
+                    f"{meta['vocab_size']} tokens (model '{meta.get('model_id', '?')}'), "
+                    f"but this model has {vocab}: rebuild it with `specplug adjacency build`")
+        except (ValueError, KeyError) as e:
+            raise SpecplugConfigError(f"speculative_config['table_path']: {e}") from None
+
+
 class RecycleProposer(Proposer):
     name = "recycle"
     config_cls = RecycleConfig
@@ -127,5 +144,6 @@ class RecycleProposer(Proposer):
         tables = self.drafter.tables
         return ProposerStats(gauges={
             "table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
+            "live_requests": len(tables) - 1,  # per-request tables only
             "filled_rows": self.table.num_filled(),
             "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()})

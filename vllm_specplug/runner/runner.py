@@ -41,6 +41,7 @@ from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_b
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
 from vllm_specplug.engine.verify import child_probs, choose_paths, draft_probs_tensor
+from vllm_specplug.runner.guard import guard_for
 from vllm_specplug.runner.tree_attention import (
     CPU_KV_LAYOUTS,
     TreeAttentionWrapper,
@@ -663,7 +664,8 @@ class SpecplugRunnerMixin:
             self._sp_count_sources(sreq)
             batch.append(sreq)
         t1 = time.perf_counter()
-        trees = self._sp_proposer.propose(batch)
+        # A method bug must not take the server down (runner/guard.py).
+        trees = guard_for(self).propose(self._sp_proposer, batch)
         t2 = time.perf_counter()
         kept: list[DraftTree | None] = []
         for sreq, tree in zip(batch, trees):
@@ -754,6 +756,7 @@ class SpecplugRunnerMixin:
     # --------------------------------------------------------------- stats
     def specplug_stats(self) -> dict[str, Any]:
         stats = self._sp_stats.as_dict()
+        stats["live_trees"] = len(self._sp_trees)  # 0 once every request is gone
         if self._sp_budget is not None:
             stats["budget"] = self._sp_budget.as_dict()
         if self._sp_proposer is not None:
