@@ -11,7 +11,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from vllm_specplug.config import MethodConfig, option_error
-from vllm_specplug.engine.interface import Proposer, StepRequest
+from vllm_specplug.engine.interface import Proposer, ProposerStats, StepRequest
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder
 from vllm_specplug.sources.ngram import continuations
 
@@ -71,5 +71,6 @@ class PLDProposer(Proposer):
             out.append(trie.build())
         return out
 
-    def stats(self) -> dict:
-        return {"live_requests": 0}  # stateless: everything is in token_ids
+    def stats(self) -> ProposerStats:
+        # stateless: everything is in token_ids
+        return ProposerStats(gauges={"live_requests": 0})
