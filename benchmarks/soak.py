@@ -560,7 +560,8 @@ def build_store(model: str, out: str) -> str:
     """A small DReSD store for the soak: the reference model's hidden states
     over the soak's own prompts used as a text corpus (no generation), so
     ``dresd`` finds neighbours without a long build."""
-    from vllm_specplug.datastore.dense import DenseDatastore, build_dense_datastore
+    from vllm_specplug.datastore.build import build_dense_datastore
+    from vllm_specplug.datastore.dense import DenseDatastore
 
     try:
         DenseDatastore.open(out, verify_checksums=False)

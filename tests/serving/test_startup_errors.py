@@ -34,8 +34,8 @@ def files(tmp_path_factory, tiny_model, ref_model):
     model and copies of it truncated, corrupted and re-labelled with another
     tokenizer; an adjacency table of the tiny model's vocabulary; a copy of
     the tiny model with sliding-window attention."""
-    from vllm_specplug.datastore.dense import build_dense_datastore
-    from vllm_specplug.engine.adjacency import AdjacencyTable
+    from vllm_specplug.datastore.build import build_dense_datastore
+    from vllm_specplug.sources.adjacency import AdjacencyTable
 
     root = tmp_path_factory.mktemp("startup")
     corpus = root / "corpus.jsonl"

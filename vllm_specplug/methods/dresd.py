@@ -91,7 +91,7 @@ class DReSDConfig(MethodConfig):
                 expect_tokenizer_hash=tokenizer_fingerprint(mc.tokenizer),
                 verify_checksums=self.verify_checksums)
         except DatastoreError as e:
-            raise SpecplugConfigError(f"speculative_config['datastore']: {e}") from None
+            raise option_error("datastore", str(e)) from None
 
 
 class DReSDProposer(Proposer):

@@ -80,7 +80,7 @@ class RecycleConfig(MethodConfig):
                     f"{meta['vocab_size']} tokens (model '{meta.get('model_id', '?')}'), "
                     f"but this model has {vocab}: rebuild it with `specplug adjacency build`")
         except (ValueError, KeyError) as e:
-            raise SpecplugConfigError(f"speculative_config['table_path']: {e}") from None
+            raise option_error("table_path", str(e)) from None
 
 
 class RecycleProposer(Proposer):
