@@ -182,8 +182,10 @@ def run(job: dict) -> dict:
         from vllm import LLM, SamplingParams, TokensPrompt
 
         result["vllm_version"] = vllm.__version__
+        result["enforce_eager"] = job.get("enforce_eager", False)
         llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
-                  max_num_seqs=job["batch_size"], enforce_eager=True, seed=job["seed"],
+                  max_num_seqs=job["batch_size"],
+                  enforce_eager=job.get("enforce_eager", False), seed=job["seed"],
                   disable_log_stats=False, speculative_config=job["spec"],
                   **({"kv_cache_memory_bytes": job["kv_cache_bytes"]}
                      if job.get("kv_cache_bytes") else {}))
