@@ -408,6 +408,7 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         "acceptance_per_position": None, "proposer_seconds": None,
         "proposer_time_share": None, "peak_memory_mib": result.get("peak_memory_mib"),
         "engine_start_seconds": result.get("init_seconds"),
+        "engine_compile": result.get("engine_compile"),
         "load_average": result.get("load_average"),
         "identical": None, "identical_fraction": None, "token_match_rate": None,
         "mismatches": [],
@@ -625,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
 
             def on_event(ev, _name=m["name"], _b=batch):
                 if ev.get("event") == "ready":
-                    _log(f"    engine up in {ev['init_seconds']:.1f} s")
+                    _log(f"    engine up in {ev['init_seconds']:.1f} s "
+                         f"({ev.get('engine_compile', '?')})")
                 elif ev.get("event") == "suite":
                     c, g = ev["counters"], ev["generated_tokens"]
                     mal = (f", tau {report.tau(g, c['accepted_tokens']) or 0:.2f}, mean "

@@ -171,6 +171,17 @@ def _reason(exc: BaseException) -> str:
     return text[:500]
 
 
+def _compile_source(job: dict) -> str:
+    """How the engine got its model: ``eager``, ``loaded`` (vLLM's compile
+    cache) or ``compiled`` (this start compiled it; the next one loads it).
+    vLLM's counters are per process, and the worker starts one engine."""
+    if job.get("enforce_eager", False):
+        return "eager"
+    from vllm.compilation.counter import compilation_counter
+
+    return "loaded" if compilation_counter.num_aot_artifacts_loaded else "compiled"
+
+
 def run(job: dict) -> dict:
     import resource
 
@@ -195,7 +206,9 @@ def run(job: dict) -> dict:
         result["traceback"] = traceback.format_exc()[-4000:]
         return result
     result["init_seconds"] = time.perf_counter() - t0
-    _progress(fd, event="ready", init_seconds=result["init_seconds"])
+    result["engine_compile"] = _compile_source(job)
+    _progress(fd, event="ready", init_seconds=result["init_seconds"],
+              engine_compile=result["engine_compile"])
     try:
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
                                 ignore_eos=job["ignore_eos"], seed=job["seed"])
