@@ -143,12 +143,14 @@ def _fix_compile_cache() -> None:
        ``finalize_loading`` on torch's class makes the load succeed.
     2. Sharing. vLLM points inductor's cache at one folder per AOT hash, and
        that hash covers the whole engine config (speculative config, method
-       options, ``max_num_seqs``, ...): every new configuration of the same
-       model compiled its C++ kernels from scratch (~95 s for the reference
-       model on 2 cores). Inductor's FX-graph, AOTAutograd and kernel caches
-       are keyed by content (torch's default is one folder for everything),
-       so the plugin points them at one folder per vLLM cache root, and a new
-       configuration only re-traces the model.
+       options, ``max_num_seqs``, ...), so every new configuration of the
+       same model also compiled its C++ kernels from scratch. Inductor's
+       caches are keyed by content (torch's default is one folder for
+       everything), so the plugin points them at one folder per vLLM cache
+       root: a new configuration reuses the compiled kernels (seen here: the
+       5th configuration of the reference model added no kernel). Tracing
+       and lowering still run for it: their cache key differs between
+       engine configurations.
     """
     from vllm.platforms import current_platform
 
