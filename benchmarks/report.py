@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.machine import describe
+
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 
 
@@ -25,6 +27,55 @@ def validate(doc: dict) -> list[str]:
             for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))]
 
 
+def tau(generated: int | None, accepted: int | None) -> float | None:
+    """Tokens per target pass per request: generated / (generated - accepted).
+
+    Every target pass of a request yields one token of its own plus the
+    drafts it accepted, so a request's passes are ``generated - accepted``
+    (its prefill pass included) and ``tau`` is what Spec-Bench and the papers
+    compare. Unlike vLLM's mean accepted length (``1 + accepted / drafts``),
+    it counts the passes where a method drafted nothing. Pooled over a suite
+    (sums of tokens and of accepted drafts), it weighs requests by length.
+    Plain decoding (no accepted tokens) has ``tau = 1``. vLLM counts a step's
+    accepted drafts before cutting the output at a stop or ``max_tokens``, so
+    the last pass of a request can add up to ``k`` accepted tokens that were
+    not kept: ``tau`` is then a slight overestimate. None without counts.
+    """
+    if generated is None:
+        return None
+    passes = generated - (accepted or 0)
+    return generated / passes if passes > 0 else None
+
+
+def draft_rate(drafts: int | None, generated: int | None,
+               accepted: int | None) -> float | None:
+    """Drafts per target pass per request: how often a method drafted at all
+    (vLLM's ``num_drafts`` over the passes ``tau`` counts). A mean accepted
+    length is only comparable between methods next to this rate."""
+    if drafts is None or generated is None:
+        return None
+    passes = generated - (accepted or 0)
+    return drafts / passes if passes > 0 else None
+
+
+def record_tau(rec: dict) -> float | None:
+    """A record's ``tau`` (computed from its counters for files written
+    before the field existed; 1.0 for plain decoding)."""
+    if rec.get("tau") is not None:
+        return rec["tau"]
+    if rec.get("status") != "ok":
+        return None
+    return tau(rec.get("generated_tokens"), rec.get("accepted_tokens"))
+
+
+def record_draft_rate(rec: dict) -> float | None:
+    if rec.get("draft_rate") is not None:
+        return rec["draft_rate"]
+    if rec.get("status") != "ok":
+        return None
+    return draft_rate(rec.get("drafts"), rec.get("generated_tokens"), rec.get("accepted_tokens"))
+
+
 def _fmt(value, spec: str, none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
@@ -42,9 +93,10 @@ def identical_cell(rec: dict) -> str:
 
 def table(doc: dict) -> str:
     """The human-readable table: one line per record, grouped by batch size."""
-    head = (f"{'method':<10} {'suite':<26} {'B':>3} {'tok/s':>8} {'speedup':>7} "
-            f"{'MAL':>5} {'ceil-p':>6} {'ceil+p':>6} {'prop%':>6} {'peakMiB':>8}  identical")
-    lines = []
+    head = (f"{'method':<10} {'suite':<26} {'B':>3} {'tau':>5} {'tok/s':>8} {'speedup':>7} "
+            f"{'MAL':>5} {'draft%':>6} {'ceil-p':>6} {'ceil+p':>6} {'prop%':>6} "
+            f"{'peakMiB':>8}  identical")
+    lines = [f"mode: {run_mode(doc)}; {describe(doc['run'].get('machine') or {})}"]
     for b in doc["run"]["batch_sizes"]:
         lines.append(f"\n== batch size {b} ==")
         lines.append(head)
@@ -63,17 +115,22 @@ def table(doc: dict) -> str:
                 continue
             share = r["proposer_time_share"]
             speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+            rate = record_draft_rate(r)
             lines.append(
                 f"{r['method']:<10} {r['suite'][:26]:<26} {b:>3} "
+                f"{_fmt(record_tau(r), '5.2f'):>5} "
                 f"{_fmt(r['tokens_per_s'], '8.1f'):>8} {speed:>7} "
                 f"{_fmt(r['mean_accepted_length'], '5.2f'):>5} "
+                f"{_fmt(None if rate is None else 100 * rate, '6.1f'):>6} "
                 f"{_fmt(r['self_repetition'], '6.2f'):>6} "
                 f"{_fmt(r['self_repetition_with_prompt'], '6.2f'):>6} "
                 f"{_fmt(None if share is None else 100 * share, '6.1f'):>6} "
                 f"{_fmt(r['peak_memory_mib'], '8.0f'):>8}  {identical_cell(r)}"
                 + (f"  ({r['reason']})" if r["status"] != "ok" and r["reason"] else ""))
     lines.append(
-        "\nMAL: mean accepted length 1 + accepted/drafts (vLLM counters). ceil-p / ceil+p: "
+        "\ntau: tokens per target pass per request, generated / (generated - accepted). "
+        "MAL: mean accepted length 1 + accepted/drafts (vLLM counters), which leaves out "
+        "the passes without a draft; draft%: drafts per target pass. ceil-p / ceil+p: "
         "READER self-repetition of the `none` outputs without / with the prompt. "
         "prop%: proposer time / wall time (specplug methods).")
     return "\n".join(lines)
@@ -81,14 +138,18 @@ def table(doc: dict) -> str:
 
 def markdown(doc: dict) -> str:
     """The run as Markdown: per batch size, one row per method and one column
-    per suite, ``tok/s (speedup) / mean accepted length``, then whether every
-    output was identical to ``none``; the self-repetition ceiling as a last row."""
+    per suite, ``tau / tok/s (speedup) / mean accepted length (draft rate)``,
+    then whether every output was identical to ``none``; the self-repetition
+    ceiling as a last row. Methods compare on ``tau`` (first): a mean accepted
+    length alone flatters a method that rarely drafts."""
     suites = list(dict.fromkeys(r["suite"] for r in doc["records"]))
     out = []
+    mode = run_mode(doc)
     for b in doc["run"]["batch_sizes"]:
         recs = {(r["method"], r["suite"]): r for r in doc["records"] if r["batch_size"] == b}
         methods = list(dict.fromkeys(m for m, _ in recs))
-        out.append(f"**batch {b}**: tokens/s (speedup vs none) / mean accepted length\n")
+        out.append(f"**batch {b}** ({mode}): tau, tokens per target pass / tokens/s "
+                   "(speedup vs none) / mean accepted length (drafts per pass)\n")
         out.append("| method | " + " | ".join(suites) + " | identical |")
         out.append("|---" * (len(suites) + 2) + "|")
         for m in methods:
@@ -101,9 +162,13 @@ def markdown(doc: dict) -> str:
                 if r["status"] != "ok":
                     cells.append(r["status"])
                     continue
-                cell = f"{r['tokens_per_s']:.1f} ({_fmt(r['speedup'], '.2f')}x)"
+                cell = (f"{_fmt(record_tau(r), '.2f')} / {r['tokens_per_s']:.1f} "
+                        f"({_fmt(r['speedup'], '.2f')}x)")
                 if r["mean_accepted_length"] is not None:
+                    rate = record_draft_rate(r)
                     cell += f" / {r['mean_accepted_length']:.2f}"
+                    if rate is not None:
+                        cell += f" ({rate:.0%})"
                 cells.append(cell)
                 same.append(identical_cell(r))
             ident = "yes" if same and all(x == "yes" for x in same) else ", ".join(
@@ -116,7 +181,13 @@ def markdown(doc: dict) -> str:
                 f"{_fmt(ceil[su]['self_repetition_with_prompt'], '.2f')}"
                 if su in ceil else "" for su in suites) + " | |")
         out.append("")
+    out.append(describe(doc["run"].get("machine") or {}))
     return "\n".join(out)
+
+
+def run_mode(doc: dict) -> str:
+    """``compiled`` or ``eager`` (runs before the field existed were eager)."""
+    return "eager" if doc["run"].get("enforce_eager", True) else "compiled"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(doc: dict, path: str) -> None:
-    """Speedup and mean accepted length per suite (one row per batch size);
-    the accepted-length panel marks the self-repetition ceilings."""
+    """Speedup and tau (tokens per target pass) per suite (one row per batch
+    size); the tau panel marks the self-repetition ceilings (tokens per
+    pointer advance: the tau that copying could reach)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,10 +223,13 @@ def plot(doc: dict, path: str) -> None:
     legend: dict = {}
     for row, b in enumerate(batches):
         for col, (key, label) in enumerate((("speedup", "speedup vs none"),
-                                            ("mean_accepted_length", "mean accepted length"))):
+                                            ("tau", "tau, tokens per target pass"))):
             ax = axes[row][col]
+            def value(r, key=key):
+                return record_tau(r) if key == "tau" else r[key]
+
             shown = [m for m in methods if m != "none" and any(
-                r["method"] == m and r["batch_size"] == b and r[key] is not None
+                r["method"] == m and r["batch_size"] == b and value(r) is not None
                 for r in recs)]
             width = 0.8 / max(1, len(shown))
             for i, m in enumerate(shown):
@@ -162,7 +237,7 @@ def plot(doc: dict, path: str) -> None:
                 for s in suites:
                     hit = [r for r in recs if r["method"] == m and r["suite"] == s
                            and r["batch_size"] == b]
-                    vals.append(hit[0][key] if hit and hit[0][key] is not None else 0.0)
+                    vals.append(value(hit[0]) if hit and value(hit[0]) is not None else 0.0)
                 xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(suites))]
                 ax.bar(xs, vals, width, label=m,
                        color=colors[methods.index(m) % len(colors)])

@@ -51,7 +51,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import select
 import shlex
 import subprocess
@@ -62,6 +61,7 @@ from pathlib import Path
 
 from benchmarks import repetition, report, suites as suites_mod
 from vllm_specplug.corpus import chat_ids
+from benchmarks.machine import describe as describe_machine, machine_info
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +117,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "at most 8192; quick: 1024)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate exactly --max-tokens per prompt (quick: on)")
+    ap.add_argument("--eager", action="store_true",
+                    help="run vLLM eagerly (enforce_eager=True) instead of the compiled model "
+                         "users get by default; compiled engines load vLLM's compile cache "
+                         "after their first start")
     ap.add_argument("--strict", action="store_true",
                     help="any output mismatch fails the run, whatever the dtype")
     ap.add_argument("--quick", action="store_true",
@@ -232,29 +236,12 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
-def machine_info() -> dict:
-    info = {"hostname": platform.node(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
-    try:
-        info["cpus_available"] = len(os.sched_getaffinity(0))
-    except AttributeError:
-        info["cpus_available"] = os.cpu_count()
-    try:
-        flags: set[str] = set()
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and "model_name" not in info:
-                info["processor"] = info["model_name"] = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-        info["native_bf16"] = bool(flags & {"avx512_bf16", "amx_bf16"})
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                info["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
-                break
-    except OSError:
-        pass
-    return info
+def compile_cache_dir() -> str:
+    """Where vLLM keeps compiled models (``VLLM_CACHE_ROOT``): shared by every
+    worker, and by later runs, so each engine configuration compiles once."""
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+    return os.path.join(os.path.expanduser(root), "torch_compile_cache")
 
 
 def git_info() -> dict | None:
@@ -408,11 +395,12 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         "method_options": method["options"], "suite": suite, "batch_size": batch,
         "status": "ok", "reason": None,
         "num_prompts": num_prompts, "generated_tokens": None, "wall_seconds": None,
-        "tokens_per_s": None, "speedup": None, "mean_accepted_length": None,
-        "drafts": None, "draft_tokens": None, "accepted_tokens": None,
+        "tokens_per_s": None, "speedup": None, "tau": None, "draft_rate": None,
+        "mean_accepted_length": None, "drafts": None, "draft_tokens": None, "accepted_tokens": None,
         "acceptance_per_position": None, "proposer_seconds": None,
         "proposer_time_share": None, "peak_memory_mib": result.get("peak_memory_mib"),
         "engine_start_seconds": result.get("init_seconds"),
+        "engine_compile": result.get("engine_compile"),
         "load_average": result.get("load_average"),
         "identical": None, "identical_fraction": None, "token_match_rate": None,
         "mismatches": [],
@@ -426,7 +414,7 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         return rec
     wall, toks = entry["wall_seconds"], entry["generated_tokens"]
     rec.update(generated_tokens=toks, wall_seconds=wall,
-               tokens_per_s=toks / wall if wall > 0 else None)
+               tokens_per_s=toks / wall if wall > 0 else None, tau=report.tau(toks, 0))
     if base_entry is not None and rec["tokens_per_s"] and base_entry["wall_seconds"] > 0:
         base_tps = base_entry["generated_tokens"] / base_entry["wall_seconds"]
         rec["speedup"] = rec["tokens_per_s"] / base_tps if base_tps else None
@@ -436,6 +424,8 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         rec.update(drafts=int(d), draft_tokens=int(c["draft_tokens"]),
                    accepted_tokens=int(c["accepted_tokens"]),
                    mean_accepted_length=1 + c["accepted_tokens"] / d if d else 1.0,
+                   tau=report.tau(toks, int(c["accepted_tokens"])),
+                   draft_rate=report.draft_rate(int(d), toks, int(c["accepted_tokens"])),
                    acceptance_per_position=[v / d if d else 0.0
                                             for v in c["accepted_tokens_per_pos"]])
     stats = entry.get("specplug_stats")
@@ -548,7 +538,8 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
             "max_model_len": run_len, "num_speculative_tokens": args.num_speculative_tokens,
             "batch_sizes": args.batch_sizes, "limit": args.limit, "quick": args.quick,
             "ignore_eos": args.ignore_eos, "temperature": 0.0, "seed": 0,
-            "batching": "max_num_seqs",
+            "batching": "max_num_seqs", "enforce_eager": args.eager,
+            "compile_cache": compile_cache_dir(),
             "lossless_check": "strict" if (args.dtype == "float32" or args.strict) else "report",
             "methods": [{k: m[k] for k in ("name", "kind", "options", "speculative_config")}
                         | {"skipped_reason": m["skip"]} for m in methods],
@@ -574,11 +565,14 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
 def _log_event(ev: dict) -> None:
     """A worker's progress line."""
     if ev.get("event") == "ready":
-        _log(f"    engine up in {ev['init_seconds']:.1f} s")
+        _log(f"    engine up in {ev['init_seconds']:.1f} s "
+             f"({ev.get('engine_compile', '?')})")
     elif ev.get("event") == "suite":
-        c = ev["counters"]
-        mal = (f", mean accepted length {1 + c['accepted_tokens'] / c['drafts']:.2f}"
-               if c["drafts"] else "")
+        c, g = ev["counters"], ev["generated_tokens"]
+        mal = (f", tau {report.tau(g, c['accepted_tokens']) or 0:.2f}, mean "
+               f"accepted length {1 + c['accepted_tokens'] / c['drafts']:.2f} on "
+               f"{report.draft_rate(c['drafts'], g, c['accepted_tokens']) or 0:.0%}"
+               " of passes" if c["drafts"] else "")
         _log(f"    {ev['suite']}: {ev['num_prompts']} prompts, "
              f"{ev['generated_tokens']} tokens in {ev['wall_seconds']:.1f} s "
              f"({ev['generated_tokens'] / max(ev['wall_seconds'], 1e-9):.1f} tok/s)" + mal)
@@ -721,13 +715,15 @@ def main(argv: list[str] | None = None) -> int:
     methods = plan_methods(args, model)
 
     machine = machine_info()
+    _log(describe_machine(machine))
     if args.dtype == "bfloat16" and machine.get("native_bf16") is False:
         _log("WARNING: this CPU has neither AVX512-BF16 nor AMX: bfloat16 matmuls are "
              "emulated and far slower than float32 here; consider --dtype float32")
     log_dir = Path(args.log_dir) if args.log_dir else Path(
         tempfile.mkdtemp(prefix="specplug-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    _log(f"model {model} ({args.dtype}), max_tokens {args.max_tokens}, "
+    _log(f"model {model} ({args.dtype}, {'eager' if args.eager else 'compiled'}), "
+         f"max_tokens {args.max_tokens}, "
          f"max_model_len {run_len}, k={args.num_speculative_tokens}, "
          f"batch sizes {args.batch_sizes}; engine logs in {log_dir}")
 
@@ -740,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = new_document(args, argv, started, model, run_len, methods, suite_meta, machine,
                        kv_bytes, corrupt_method, log_dir)
     job_base = {"model": model, "dtype": args.dtype, "max_model_len": run_len, "seed": 0,
-                "kv_cache_bytes": kv_bytes, "max_tokens": args.max_tokens,
+                "kv_cache_bytes": kv_bytes, "enforce_eager": args.eager, "max_tokens": args.max_tokens,
                 "ignore_eos": args.ignore_eos, "warmup_prompts": warmup,
                 "suites": [{"name": s.name, "prompts": s.prompts} for s in suites]}
 

@@ -1,7 +1,7 @@
 """Cost of one verification step vs draft-tree size (issue 3).
 
     python -m benchmarks.verify_cost [--sizes 0,1,2,4,8,16,32,64] [--batch 1,8,32]
-        [--steps 16] [--dtype bfloat16] [--out verify_cost.json --plot verify_cost.png]
+        [--steps 16] [--dtype bfloat16] [--eager] [--out verify_cost.json --plot verify_cost.png]
 
 For each batch size B and tree size S, B requests of a ~100-token prompt
 each verify random trees of exactly S nodes (the `oracle` method in `noise`
@@ -10,6 +10,10 @@ B * (S + 1) tokens plus tree attention, sampling and the draft hand-over).
 Step time = (time for 1 + steps tokens - time for 1 token) / steps, so the
 prefill is left out. S = 0 is plain decoding. Each configuration runs in its
 own process. Methods size their trees from this curve.
+
+The engines run compiled, as users get them (``--eager``: vLLM's eager
+mode). Compiled engines share vLLM's compile cache (``VLLM_CACHE_ROOT``), so
+each engine configuration compiles once, on its first start ever.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import time
 
 
-def _measure(model: str, dtype: str, batch: int, size: int, steps: int) -> float:
+def _measure(model: str, dtype: str, batch: int, size: int, steps: int,
+             eager: bool = False) -> float:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -31,7 +35,7 @@ def _measure(model: str, dtype: str, batch: int, size: int, steps: int) -> float
     if size:
         spec = {"method": "oracle", "mode": "noise", "num_speculative_tokens": size,
                 "tree_size": size}
-    llm = LLM(model=model, dtype=dtype, max_model_len=512, enforce_eager=True, seed=0,
+    llm = LLM(model=model, dtype=dtype, max_model_len=512, enforce_eager=eager, seed=0,
               speculative_config=spec, max_num_seqs=max(batch, 1),
               max_num_batched_tokens=max(2048, batch * (size + 1) + 256))
     prompts = [TokensPrompt(prompt_token_ids=[(17 * i + 7 * j) % 4000 + 100
@@ -59,6 +63,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16,
                     help="timed steps per point, fewer for big points (default 16)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true",
+                    help="vLLM's eager mode instead of the compiled model (the default)")
     ap.add_argument("--out", default="verify_cost.json")
     ap.add_argument("--plot", default="verify_cost.png")
     args = ap.parse_args()
@@ -67,6 +73,10 @@ def main() -> None:
     model = args.model or reference_model_path()
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
+    from benchmarks.machine import describe, machine_info
+
+    machine = machine_info()
+    print(describe(machine), f"({'eager' if args.eager else 'compiled'})", flush=True)
     records = []
     ctx = mp.get_context("spawn")
     t_start = time.time()
@@ -75,7 +85,7 @@ def main() -> None:
             # small steps are noisy, big ones slow: about 4k verified tokens per point
             n_steps = max(3, min(args.steps, 4096 // (b * (s + 1))))
             with ctx.Pool(1) as pool:
-                step = pool.apply(_measure, (model, args.dtype, b, s, n_steps))
+                step = pool.apply(_measure, (model, args.dtype, b, s, n_steps, args.eager))
             rec = {"batch_size": b, "tree_size": s, "step_ms": step * 1000, "steps": n_steps,
                    "tokens_per_step": b * (s + 1)}
             records.append(rec)
@@ -84,7 +94,7 @@ def main() -> None:
     for r in records:
         r["relative_to_plain"] = r["step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else None
     meta = {"model": model, "dtype": args.dtype, "steps": args.steps,
-            "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+            "enforce_eager": args.eager, "machine": machine,
             "seconds": time.time() - t_start}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=2)
@@ -106,7 +116,9 @@ def _plot(records, path, meta) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("draft tree size (nodes; 0.5 = plain decoding)")
     ax.set_ylabel("step time / plain decoding step")
-    ax.set_title(f"Verification cost, {os.path.basename(meta['model'])} {meta['dtype']}")
+    mode = "eager" if meta.get("enforce_eager", True) else "compiled"
+    ax.set_title(f"Verification cost, {os.path.basename(meta['model'])} {meta['dtype']} "
+                 f"({mode})")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()

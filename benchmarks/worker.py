@@ -157,6 +157,17 @@ def _reason(exc: BaseException) -> str:
     return text[:500]
 
 
+def _compile_source(job: dict) -> str:
+    """How the engine got its model: ``eager``, ``loaded`` (vLLM's compile
+    cache) or ``compiled`` (this start compiled it; the next one loads it).
+    vLLM's counters are per process, and the worker starts one engine."""
+    if job.get("enforce_eager", False):
+        return "eager"
+    from vllm.compilation.counter import compilation_counter
+
+    return "loaded" if compilation_counter.num_aot_artifacts_loaded else "compiled"
+
+
 def run(job: dict) -> dict:
     import resource
 
@@ -168,8 +179,10 @@ def run(job: dict) -> dict:
         from vllm import LLM, SamplingParams, TokensPrompt
 
         result["vllm_version"] = vllm.__version__
+        result["enforce_eager"] = job.get("enforce_eager", False)
         llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
-                  max_num_seqs=job["batch_size"], enforce_eager=True, seed=job["seed"],
+                  max_num_seqs=job["batch_size"],
+                  enforce_eager=job.get("enforce_eager", False), seed=job["seed"],
                   disable_log_stats=False, speculative_config=job["spec"],
                   **({"kv_cache_memory_bytes": job["kv_cache_bytes"]}
                      if job.get("kv_cache_bytes") else {}))
@@ -179,7 +192,9 @@ def run(job: dict) -> dict:
         result["traceback"] = traceback.format_exc()[-4000:]
         return result
     result["init_seconds"] = time.perf_counter() - t0
-    _progress(fd, event="ready", init_seconds=result["init_seconds"])
+    result["engine_compile"] = _compile_source(job)
+    _progress(fd, event="ready", init_seconds=result["init_seconds"],
+              engine_compile=result["engine_compile"])
     try:
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
                                 ignore_eos=job["ignore_eos"], seed=job["seed"])

@@ -17,13 +17,17 @@ import pytest  # noqa: E402
 
 
 @contextlib.contextmanager
-def engine(model: str, spec: dict | None = None, **kwargs):
-    """A real vLLM engine (float32, eager), torn down afterwards so several
-    can run in one process."""
+def engine(model: str, spec: dict | None = None, compiled: bool = False, **kwargs):
+    """A real vLLM engine (float32, eager unless ``compiled``), torn down
+    afterwards so several can run in one process.
+
+    ``compiled=True`` runs the model the way users get it (torch.compile,
+    vLLM's default); its first start with a configuration compiles, later
+    ones load vLLM's compile cache (``VLLM_CACHE_ROOT``)."""
     from vllm import LLM
     from vllm.distributed import cleanup_dist_env_and_memory
 
-    opts = dict(dtype="float32", max_model_len=1024, enforce_eager=True, seed=0,
+    opts = dict(dtype="float32", max_model_len=1024, enforce_eager=not compiled, seed=0,
                 disable_log_stats=False)
     opts.update(kwargs)
     llm = LLM(model=model, speculative_config=spec, **opts)

@@ -1,7 +1,9 @@
 """The ``vllm.general_plugins`` entry point.
 
 vLLM calls ``register`` in every process it starts (front end, engine core,
-workers), possibly more than once. It only wraps
+workers), possibly more than once. It fixes two vLLM 0.32 CPU pitfalls that
+hit every engine, specplug or not (the kernel dispatcher and numba, the
+compile cache; see the functions below), and wraps
 ``EngineArgs.create_engine_config``: when ``speculative_config["method"]``
 names a specplug method, the method's options are validated here (one-line
 errors at start-up) and the config handed to vLLM becomes a ``custom_class``
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
@@ -32,6 +35,7 @@ def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     _guard_kernel_rebind()
+    _fix_compile_cache()
     if getattr(EngineArgs.create_engine_config, "_specplug", False):
         return
     original = EngineArgs.create_engine_config
@@ -236,3 +240,68 @@ def _guard_kernel_rebind() -> None:
         return
     if not isinstance(getattr(dispatcher, "sys", None), _ModulesWithoutLlvm):
         dispatcher.sys = _ModulesWithoutLlvm()
+
+
+def _finalize_loaded_inductor_artifact(self, vllm_config) -> None:
+    """Nothing to do: torch deserialized this artifact completely."""
+
+
+def _fix_compile_cache() -> None:
+    """Make vLLM's compile cache work on CPU (vLLM 0.32, torch 2.13).
+
+    1. Loading. On CPU vLLM compiles with torch's own ``inductor`` backend
+       (``CpuPlatform`` sets ``DYNAMO_TRACE_ONCE`` + ``"inductor"``), so the
+       saved AOT artifact's compiled function is torch's
+       ``BundledAOTAutogradSerializableCallable``, complete once torch has
+       deserialized it. vLLM's loader (``decorators._try_load_aot_compiled_fn``)
+       then calls ``finalize_loading``, which only vLLM's own
+       ``VllmSerializableFunction`` (its GPU backend) has; the wrapper forwards
+       the lookup to the inner plain function, the ``AttributeError`` counts
+       as a load failure, and every start recompiles the model ("'function'
+       object has no attribute 'finalize_loading'"). A no-op
+       ``finalize_loading`` on torch's class makes the load succeed.
+    2. Sharing. vLLM points inductor's cache at one folder per AOT hash, and
+       that hash covers the whole engine config (speculative config, method
+       options, ``max_num_seqs``, ...), so every new configuration of the
+       same model also compiled its C++ kernels from scratch. Inductor's
+       caches are keyed by content (torch's default is one folder for
+       everything), so the plugin points them at one folder per vLLM cache
+       root: a new configuration reuses the compiled kernels (seen here: the
+       5th configuration of the reference model added no kernel). Tracing
+       and lowering still run for it: their cache key differs between
+       engine configurations.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    try:
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+        from vllm.compilation import decorators
+    except ImportError:
+        return
+    if "finalize_loading" not in vars(BundledAOTAutogradSerializableCallable):
+        BundledAOTAutogradSerializableCallable.finalize_loading = (
+            _finalize_loaded_inductor_artifact)
+    load = decorators._try_load_aot_compiled_fn
+    if getattr(load, "_specplug", False):
+        return
+
+    def _try_load_aot_compiled_fn(model, aot_compilation_path):
+        # vLLM set TORCHINDUCTOR_CACHE_DIR to this hash's folder just before;
+        # what follows (load, or compile on a miss) uses the shared one.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = shared_inductor_cache()
+        return load(model, aot_compilation_path)
+
+    _try_load_aot_compiled_fn._specplug = True
+    decorators._try_load_aot_compiled_fn = _try_load_aot_compiled_fn
+
+
+def shared_inductor_cache() -> str:
+    """The inductor cache folder every compiled engine shares (under
+    ``VLLM_CACHE_ROOT``)."""
+    import vllm.envs as envs
+
+    path = os.path.join(envs.VLLM_CACHE_ROOT, "torch_compile_cache", "inductor_shared")
+    os.makedirs(path, exist_ok=True)
+    return path

@@ -56,6 +56,8 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
     assert meta["total_seconds"] > 0 and meta["finished_at"]
     assert meta["versions"]["vllm"].startswith("0.32")
     assert meta["corrupt_hook"] is None
+    assert meta["enforce_eager"] is False  # the compiled model, as users run it
+    assert meta["machine"]["cpu_flags"] and meta["machine"]["model_name"]
     none, pld = _record(doc, "none"), _record(doc, "pld")
     for r in (none, pld):
         assert r["status"] == "ok" and r["suite"] == "specbench" and r["batch_size"] == 2
@@ -63,7 +65,11 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
         assert r["tokens_per_s"] > 0 and r["peak_memory_mib"] > 0
         assert r["identical"] is True and r["token_match_rate"] == 1.0
         assert r["self_repetition"] >= 1 and r["self_repetition_with_prompt"] >= 1
-    assert none["speedup"] == pytest.approx(1.0)
+        assert r["engine_compile"] in ("compiled", "loaded")
+    assert none["speedup"] == pytest.approx(1.0) and none["tau"] == 1.0
+    # tau from the record's own counters: 64 tokens over 64 - accepted passes
+    assert pld["tau"] == pytest.approx(64 / (64 - pld["accepted_tokens"]))
+    assert pld["draft_rate"] == pytest.approx(pld["drafts"] / (64 - pld["accepted_tokens"]))
     assert none["mean_accepted_length"] is None and none["proposer_time_share"] is None
     assert pld["speedup"] > 0 and pld["mean_accepted_length"] >= 1.0
     assert pld["drafts"] > 0 and len(pld["acceptance_per_position"]) == 8
@@ -74,6 +80,7 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
     assert md[2] == "| method | specbench | identical |"
     pld_row = next(line for line in md if line.startswith("| pld |"))
     assert pld_row.endswith("| yes |") and f"/ {pld['mean_accepted_length']:.2f}" in pld_row
+    assert pld_row.startswith(f"| pld | {pld['tau']:.2f} / ")
     assert any(line.startswith("| *ceiling*") for line in md)
     # Human-readable table and progress on stdout, and the plot.
     assert "== batch size 2 ==" in proc.stdout and "pld (specplug) batch=2" in proc.stdout

@@ -1,0 +1,63 @@
+"""Tree verification with the model compiled (vLLM's default, what users
+run): greedy output token-identical to plain decoding of the same compiled
+model, batch 1 and 8, reference model in float32.
+
+The other engine tests run eagerly (fast starts); here the tree attention,
+the KV move and the sampler run around the torch.compile'd model. Each
+engine configuration compiles on its first start ever and loads vLLM's
+compile cache afterwards (see ``vllm_specplug.plugin._fix_compile_cache``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import engine, greedy
+from tests.methods.test_pld_engine import _prompts
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def baseline(ref_model, tmp_path_factory):
+    """Plain decoding, compiled: 8 chat prompts (Spec-Bench summarization and
+    RAG: plenty for pld to copy) and their greedy continuations."""
+    prompts = _prompts(ref_model, 8)
+    with engine(ref_model, compiled=True) as llm:
+        outs = greedy(llm, prompts, MAX_TOKENS)
+        from vllm.config import CompilationMode
+
+        mode = llm.llm_engine.vllm_config.compilation_config.mode
+        assert mode == CompilationMode.DYNAMO_TRACE_ONCE  # compiled, not eager
+    path = tmp_path_factory.mktemp("oracle") / "ref.json"
+    path.write_text(json.dumps([p + o for p, o in zip(prompts, outs)]))
+    return prompts, outs, str(path)
+
+
+def test_oracle_random_trees_compiled(ref_model, baseline):
+    """Random 8-node trees around the true continuation: identical output and
+    exactly the accepted depth the oracle placed."""
+    prompts, ref, ref_file = baseline
+    spec = {"method": "oracle", "num_speculative_tokens": 8, "reference_file": ref_file,
+            "max_depth": 6}
+    with engine(ref_model, spec, compiled=True) as llm:
+        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["tree_drafts"] > 0 and stats["kv_moves"] > 0
+    assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
+
+
+def test_pld_tree_compiled(ref_model, baseline):
+    prompts, ref, _ = baseline
+    spec = {"method": "pld", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2, "tree_branches": 3}
+    with engine(ref_model, spec, compiled=True) as llm:
+        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
