@@ -285,15 +285,20 @@ class Eagle3Runtime:
             return trees
         self.stats.draft_calls += 1
         sts = [self.states[req_ids[i]] for i in live]
-        cand = self._expand(sts, depth, topk, template, hook)
+        need = torch.tensor([budgets[i] for i in live], device=self.device)
+        cand = self._expand(sts, need, depth, topk, template, hook)
         for j, i in enumerate(live):
             trees[i] = _select(cand, j, budgets[i])
         return trees
 
-    def _expand(self, sts: list[_State], depth: int, topk: int,
+    def _expand(self, sts: list[_State], need: torch.Tensor, depth: int, topk: int,
                 template: TreeTemplate | None, hook: DepthHook | None) -> dict:
         """Candidates of every request: tokens, cumulative log-probs, parent
-        (candidate index, -1 = root), all ``[B, C]`` in depth order."""
+        (candidate index, -1 = root), all ``[B, C]`` in depth order.
+
+        Exact early stop: a node never scores above its parent, so once a
+        request's best frontier score is no better than the ``need``-th best
+        candidate it already has, nothing deeper can enter its tree."""
         h, dev = self.head, self.device
         bsz = len(sts)
         n_ctx = torch.tensor([st.n for st in sts], device=dev)
@@ -343,6 +348,13 @@ class Eagle3Runtime:
             scores.append(c_score)
             parents.append(c_par)
             if d == max_depth or nxt.shape[1] == 0:
+                break
+            have = torch.cat(scores, dim=1)
+            kth = have.topk(min(have.shape[1], int(need.max())), dim=-1).values
+            kth = kth.gather(1, (need.clamp(max=kth.shape[1]) - 1)[:, None])[:, 0]
+            full = need <= have.shape[1]
+            alive &= ~(full & (nxt_score.max(dim=-1).values <= kth))
+            if not bool(alive.any()):
                 break
             if hook is not None:
                 keep = hook(d, nxt_score)
