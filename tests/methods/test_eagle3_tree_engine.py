@@ -11,8 +11,11 @@ from tests.conftest import engine, greedy, run_isolated
 
 pytestmark = pytest.mark.engine
 
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 SPEC = {"method": "eagle3_tree", "num_speculative_tokens": 16}
+# the default-suite test drafts smaller trees: the head's passes are what
+# a step costs on this CPU (the losslessness does not depend on the shape)
+SMALL = {**SPEC, "depth": 5, "topk": 6}
 # A shared system-style preamble longer than a CPU KV block (128 tokens), so
 # prefix caching serves whole blocks and the head's prefix store is used.
 PREAMBLE = ("You are a careful assistant. Answer step by step, keep the answer short, "
@@ -42,16 +45,17 @@ def _flush(llm) -> None:
 
 @pytest.fixture(scope="module")
 def baseline(ref_model):
-    prompts = _prompts(ref_model, 8) + _prompts(ref_model, 4, PREAMBLE)
+    prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
     with engine(ref_model, max_model_len=1024) as llm:
         return prompts, greedy(llm, prompts, MAX_TOKENS)
 
 
+@pytest.mark.slow
 def test_lossless_prefix_caching_off(ref_model, baseline):
     prompts, ref = baseline
     with engine(ref_model, SPEC, max_model_len=1024, enable_prefix_caching=False) as llm:
         assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
-        assert greedy(llm, prompts[:8], MAX_TOKENS) == ref[:8]
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
         _flush(llm)
         stats = llm.collective_rpc("specplug_stats")[0]
     m = stats["method"]
@@ -66,21 +70,22 @@ def test_lossless_prefix_caching_and_chunked_prefill(ref_model, baseline):
     vLLM's prefix cache on every request after the first, and everything
     again on the second pass: the head fills them from its prefix store."""
     prompts, ref = baseline
-    with engine(ref_model, SPEC, max_model_len=1024, enable_prefix_caching=True,
+    with engine(ref_model, SMALL, max_model_len=1024, enable_prefix_caching=True,
                 enable_chunked_prefill=True, max_num_batched_tokens=64) as llm:
-        assert greedy(llm, prompts[8:9], MAX_TOKENS) == ref[8:9]
-        assert greedy(llm, prompts, MAX_TOKENS) == ref
-        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        assert greedy(llm, prompts[4:5], MAX_TOKENS) == ref[4:5]  # batch 1
+        assert greedy(llm, prompts, MAX_TOKENS) == ref  # batch 8, cached preamble
+        assert greedy(llm, prompts[4:], MAX_TOKENS) == ref[4:]  # all cached
         stats = llm.collective_rpc("specplug_stats")[0]
     m = stats["method"]
     assert m["store_hits"] > 0 and m["store_misses"] == 0, m
-    assert stats["accepted_tokens"] > 0
+    assert 1 + stats["accepted_tokens"] / stats["drafts"] > 1.5, stats
 
 
+@pytest.mark.slow
 def test_lossless_under_preemption(ref_model, baseline):
     prompts, ref = baseline
-    # 6 blocks of 128 tokens for 12 requests of 100-300 tokens: preemptions
-    with engine(ref_model, SPEC, max_model_len=1024, num_gpu_blocks_override=6) as llm:
+    # 4 blocks of 128 tokens for 8 requests of 60-250 tokens: preemptions
+    with engine(ref_model, SPEC, max_model_len=1024, num_gpu_blocks_override=4) as llm:
         assert greedy(llm, prompts, MAX_TOKENS) == ref
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
@@ -119,6 +124,7 @@ def _record_drafts(model: str, prompt: list[int], spec: dict) -> tuple[list, lis
     return out, drafts
 
 
+@pytest.mark.slow
 def test_topk1_drafts_equal_vllm_eagle3(ref_model, baseline):
     """Same head, same prompt: with topk=1 the tree is the head's greedy
     chain, token for token what vLLM's eagle3 proposer drafts each step."""
@@ -143,6 +149,7 @@ def _sample(llm, prompt, n, seed0, max_tokens=3):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.slow
 def test_sampling_keeps_target_distribution(ref_model, baseline):
     from tests.runner.test_tree_engine_features import _homogeneous
 
