@@ -236,6 +236,9 @@ class SpecplugRunnerMixin:
         if bad:
             raise ValueError(f"specplug method '{self._sp_method}' asks for hidden layers "
                              f"{bad}; this target has layers 0..{n}")
+        if not hasattr(model, "set_aux_hidden_state_layers"):
+            raise ValueError(f"specplug method '{self._sp_method}' needs hidden states of "
+                             f"layers {layers}; {type(model).__name__} cannot capture them")
         union = tuple(sorted(set(layers)))
         model.set_aux_hidden_state_layers(union)
         self.use_aux_hidden_state_outputs = True
