@@ -30,6 +30,7 @@ _METHODS: dict[str, str] = {
     "recycle": "vllm_specplug.methods.recycle:RecycleProposer",
     "adapld": "vllm_specplug.methods.adapld:AdaPLDProposer",
     "dresd": "vllm_specplug.methods.dresd:DReSDProposer",
+    "eagle3_tree": "vllm_specplug.methods.eagle3_tree:Eagle3TreeProposer",
 }
 
 

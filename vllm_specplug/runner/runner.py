@@ -355,14 +355,37 @@ class SpecplugRunnerMixin:
         if config.cost_aware:
             self._sp_budget = BudgetController()
         self._sp_needs = self._sp_proposer.needs()
-        if self._sp_needs.hidden_layer is not None:
-            # vLLM's aux layer i is the residual stream entering layer i, so
-            # "output of layer L" is aux index L + 1.
-            model.set_aux_hidden_state_layers((self._sp_needs.hidden_layer + 1,))
-            self.use_aux_hidden_state_outputs = True
+        self._sp_install_aux_capture(model)
         self._sp_install_attention()
         apply_vllm_cpu_fixes()
         logger.info("specplug: method '%s' ready (%s)", self._sp_method, config)
+
+    def _sp_install_aux_capture(self, model) -> None:
+        """Capture the residual-stream layers the method asked for.
+
+        vLLM's aux layer ``L`` is the residual stream entering decoder layer
+        ``L`` (so "output of layer L" is ``L + 1``); the model returns the
+        captured layers in ascending order, whatever order they were asked
+        in, hence the index map."""
+        needs = self._sp_needs
+        layers = list(needs.aux_layers)
+        if needs.hidden_layer is not None:
+            layers.append(needs.hidden_layer + 1)
+        self._sp_aux_index: dict[int, int] = {}
+        if not layers:
+            return
+        n = self.model_config.get_total_num_hidden_layers()
+        bad = [x for x in layers if not 0 <= x <= n]
+        if bad:
+            raise ValueError(f"specplug method '{self._sp_method}' asks for hidden layers "
+                             f"{bad}; this target has layers 0..{n}")
+        if not hasattr(model, "set_aux_hidden_state_layers"):
+            raise ValueError(f"specplug method '{self._sp_method}' needs hidden states of "
+                             f"layers {layers}; {type(model).__name__} cannot capture them")
+        union = tuple(sorted(set(layers)))
+        model.set_aux_hidden_state_layers(union)
+        self.use_aux_hidden_state_outputs = True
+        self._sp_aux_index = {x: i for i, x in enumerate(union)}
 
     def _sp_install_attention(self) -> None:
         from vllm.model_executor.layers.attention import Attention
@@ -658,7 +681,12 @@ class SpecplugRunnerMixin:
             if needs.hidden:
                 sreq.hidden = hidden_states[rows]
             if needs.hidden_layer is not None and aux_hidden_states:
-                sreq.layer_hidden = aux_hidden_states[0][rows]
+                idx = self._sp_aux_index[needs.hidden_layer + 1]
+                sreq.layer_hidden = aux_hidden_states[idx][rows]
+            if needs.aux_layers and aux_hidden_states:
+                sreq.aux_hidden = torch.cat(
+                    [aux_hidden_states[self._sp_aux_index[x]][rows] for x in needs.aux_layers],
+                    dim=-1)
             self._sp_fill_topk(sreq, state, i, rel, is_decode, hidden_states, rows,
                                first, n_sched)
             self._sp_count_sources(sreq)

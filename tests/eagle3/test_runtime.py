@@ -1,0 +1,184 @@
+"""The head runtime (``eagle3/runtime.py``) against the slow reference,
+``Eagle3Draft.chain`` (which recomputes the whole prefix per call): the shipped
+head, the reference model's real aux features (transformers), float32.
+
+Expected values never come from runtime.py: they come from ``chain()`` and
+the head's own projections over the full prefix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_specplug.sources.template import TreeTemplate
+
+
+@pytest.fixture(scope="module")
+def setup(ref_model):
+    from transformers import AutoTokenizer
+
+    from vllm_specplug.eagle3 import shipped_head_path
+    from vllm_specplug.eagle3.data import _AuxCapture
+    from vllm_specplug.eagle3.model import load_head
+
+    head_dir = shipped_head_path()
+    cap = _AuxCapture(ref_model, (2, 15, 27))
+    embed = cap.base.get_input_embeddings().weight.detach()
+    head = load_head(head_dir, embed).eval()
+    tok = AutoTokenizer.from_pretrained(ref_model)
+    text = ("The quick brown fox jumps over the lazy dog. To compute 12 * 7, first "
+            "multiply 10 by 7 to get 70, then 2 by 7 to get 14, and add them: 84. "
+            "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n")
+    ids = tok(text)["input_ids"]
+    aux, _ = cap(ids)
+    return head, np.asarray(ids, dtype=np.int64), aux.float()
+
+
+def _runtime(head, **kw):
+    from vllm_specplug.eagle3.runtime import Eagle3Runtime
+
+    return Eagle3Runtime(head, **kw)
+
+
+def _ref_chain(head, ids, aux, m, steps, forced=None):
+    """chain() after the first ``m`` verified tokens (state rows 0..m-2)."""
+    t = torch.as_tensor(ids[: m - 1])
+    return head.chain(t, aux[: m - 1], int(ids[m - 1]), steps, forced=forced)
+
+
+def _path_tokens(tree, node):
+    return [tree.tokens[j] for j in tree.path_to(node)]
+
+
+def _ref_score(head, ids, aux, m, path):
+    """Cumulative log-prob of a drafted path, from chain(forced=path)."""
+    _, outs = _ref_chain(head, ids, aux, m, len(path), forced=path[:-1])
+    total = 0.0
+    with torch.no_grad():
+        for s, t in enumerate(path):
+            logp = torch.log_softmax(head.logits(outs[s][None]).float(), -1)[0]
+            total += float(logp[int(head.target_to_draft[t])])
+    return total
+
+
+def test_topk1_path_is_the_chain(setup):
+    head, ids, aux = setup
+    for m in (20, len(ids)):
+        rt = _runtime(head)
+        rt.extend([("a", 0, ids[:m], aux[: m - 1])])
+        tree = rt.draft(["a"], [6], depth=6, topk=1)[0]
+        drafts, _ = _ref_chain(head, ids, aux, m, 6)
+        assert tree.is_chain() and tree.tokens == drafts
+        assert tree.sources == ["eagle3"] * 6
+
+
+def test_incremental_state_equals_recompute(setup):
+    """Prefill in two chunks, then steps of random accepted lengths: the
+    state after each equals the head run over the whole prefix."""
+    head, ids, aux = setup
+    rng = np.random.default_rng(0)
+    rt = _runtime(head)
+    pos = 0
+    steps = [23, 18] + list(rng.integers(1, 6, size=30))
+    for n in steps:
+        if pos + n + 1 > len(ids):
+            break
+        rt.extend([("a", pos, ids[: pos + n + 1], aux[pos: pos + n])])
+        pos += n
+        st = rt.states["a"]
+        assert st.n == pos
+        _, outs = _ref_chain(head, ids, aux, pos + 1, 1)
+        torch.testing.assert_close(st.out, outs[0], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        _, k, v = head._qkv(torch.as_tensor(ids[1: pos + 1]), head.fc(aux[:pos]),
+                            torch.arange(pos))
+    st = rt.states["a"]
+    torch.testing.assert_close(st.k[:pos], k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(st.v[:pos], v, atol=1e-4, rtol=1e-4)
+    drafts, _ = _ref_chain(head, ids, aux, pos + 1, 5)
+    assert rt.draft(["a"], [5], depth=5, topk=1)[0].tokens == drafts
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_every_node_matches_a_forced_path_recompute(setup, mode):
+    """Two requests of different lengths drafted in one batch: every node's
+    score is the cumulative log-prob chain(forced=its path) gives."""
+    head, ids, aux = setup
+    rt = _runtime(head)
+    lens = {"a": 30, "b": len(ids) - 3}
+    rt.extend([(r, 0, ids[:m], aux[: m - 1]) for r, m in lens.items()])
+    template = TreeTemplate.from_spec("4,3,3,2", k=4) if mode == "static" else None
+    trees = rt.draft(list(lens), [14, 9], depth=4, topk=3, template=template)
+    for (r, m), tree, budget in zip(lens.items(), trees, (14, 9)):
+        assert 0 < len(tree) <= budget
+        tree.validate()
+        assert len({(p, t) for p, t in zip(tree.parents, tree.tokens)}) == len(tree)
+        for node in range(len(tree)):
+            path = _path_tokens(tree, node)
+            assert tree.scores[node] == pytest.approx(_ref_score(head, ids, aux, m, path),
+                                                      abs=2e-3)
+        # best path first: the first path follows the best-scored child
+        children = tree.children()
+        cur = -1
+        for node in tree.path_to(len(tree.first_path()) - 1):
+            sib = children[cur + 1]
+            assert node == sib[0] and tree.scores[node] == max(tree.scores[s] for s in sib)
+            cur = node
+        assert len(tree) == min(budget, len(template or range(budget)))
+        assert not tree.is_chain()
+
+
+def test_dynamic_tree_keeps_the_best_scored_nodes(setup):
+    """With topk wide enough, the kept set's worst node scores no lower than
+    any dropped candidate that was in reach (all depth-1 children)."""
+    head, ids, aux = setup
+    rt = _runtime(head)
+    rt.extend([("a", 0, ids, aux[:-1])])
+    tree = rt.draft(["a"], [10], depth=3, topk=10)[0]
+    _, outs = _ref_chain(head, ids, aux, len(ids), 1)
+    with torch.no_grad():
+        logp = torch.log_softmax(head.logits(outs[0][None]).float(), -1)[0]
+    top = logp.topk(10).values
+    worst = min(tree.scores)
+    kept_d1 = sum(1 for p in tree.parents if p < 0)
+    # every depth-1 candidate better than the worst kept node is kept
+    assert kept_d1 >= int((top > worst + 1e-6).sum())
+
+
+def test_depth_hook_stops_expansion(setup):
+    head, ids, aux = setup
+    rt = _runtime(head)
+    rt.extend([("a", 0, ids, aux[:-1]), ("b", 0, ids[:40], aux[:39])])
+    seen = []
+
+    def hook(depth, frontier_logp):
+        seen.append((depth, frontier_logp.shape))
+        return torch.tensor([depth < 2, True])
+
+    a, b = rt.draft(["a", "b"], [30, 30], depth=5, topk=3, hook=hook)
+    assert [d for d, _ in seen] == [1, 2, 3, 4]
+    assert max(a.depths()) == 2 and max(b.depths()) == 5
+
+
+def test_prefix_store_fills_cached_blocks(setup):
+    """A request whose first 32 positions come from vLLM's prefix cache gets
+    them from the store (equal to recompute); an unknown prefix is refused,
+    never drafted from a shorter state."""
+    head, ids, aux = setup
+    rt = _runtime(head)
+    m = len(ids)
+    rt.extend([("a", 0, ids, aux[:-1])])
+    rt.remove("a")
+    rt.add("b")
+    rt.extend([("b", 32, ids, aux[32:-1])])
+    assert rt.ready("b", m) and rt.stats.store_hits == 1
+    drafts, _ = _ref_chain(head, ids, aux, m, 4)
+    assert rt.draft(["b"], [4], depth=4, topk=1)[0].tokens == drafts
+    other = ids.copy()
+    other[5] = (other[5] + 1) % 1000
+    rt.add("c")
+    rt.extend([("c", 32, other, aux[32:-1])])
+    assert not rt.ready("c", m) and rt.stats.store_misses == 1
+    assert rt.draft(["c"], [4], depth=4, topk=1) == [None]

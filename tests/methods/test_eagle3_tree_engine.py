@@ -1,0 +1,166 @@
+"""`eagle3_tree` on the real engine with the reference model and its shipped
+head: greedy output token-identical to plain decoding (batch 1 and 8, prefix
+caching on and off, chunked prefill, preemption), the sampling distribution
+kept, and with ``topk=1`` the very drafts of vLLM's own ``eagle3``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import engine, greedy, run_isolated
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 24
+SPEC = {"method": "eagle3_tree", "num_speculative_tokens": 16}
+# the default-suite test drafts smaller trees: the head's passes are what
+# a step costs on this CPU (the losslessness does not depend on the shape)
+SMALL = {**SPEC, "depth": 5, "topk": 6}
+# A shared system-style preamble longer than a CPU KV block (128 tokens), so
+# prefix caching serves whole blocks and the head's prefix store is used.
+PREAMBLE = ("You are a careful assistant. Answer step by step, keep the answer short, "
+            "and show the arithmetic when there is any. ") * 8
+
+
+def _prompts(model: str, n: int, preamble: str = "") -> list[list[int]]:
+    import json
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.suites import chat_prompt
+    from vllm_specplug.eagle3.prompts import spec_bench_path
+
+    tok = AutoTokenizer.from_pretrained(model)
+    with open(spec_bench_path(), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    cats = ("writing", "math_reasoning", "coding", "stem")
+    picked = [r for c in cats for r in rows if r["category"] == c][::9][:n]
+    return [chat_prompt(tok, preamble + r["turns"][0]) for r in picked]
+
+
+def _flush(llm) -> None:
+    """Deliver 'finished' for every earlier request (it comes with the next step)."""
+    greedy(llm, [[5, 6, 7]], 1)
+
+
+@pytest.fixture(scope="module")
+def baseline(ref_model):
+    prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
+    with engine(ref_model, max_model_len=1024) as llm:
+        return prompts, greedy(llm, prompts, MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_lossless_prefix_caching_off(ref_model, baseline):
+    prompts, ref = baseline
+    with engine(ref_model, SPEC, max_model_len=1024, enable_prefix_caching=False) as llm:
+        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        _flush(llm)
+        stats = llm.collective_rpc("specplug_stats")[0]
+    m = stats["method"]
+    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
+    # a trained head accepts well above chance
+    assert 1 + stats["accepted_tokens"] / stats["drafts"] > 1.5, stats
+    assert m["live_requests"] <= 1 and m["store_misses"] == 0
+
+
+def test_lossless_prefix_caching_and_chunked_prefill(ref_model, baseline):
+    """Chunks of 64 tokens; the preamble prompts' first blocks come from
+    vLLM's prefix cache on every request after the first, and everything
+    again on the second pass: the head fills them from its prefix store."""
+    prompts, ref = baseline
+    with engine(ref_model, SMALL, max_model_len=1024, enable_prefix_caching=True,
+                enable_chunked_prefill=True, max_num_batched_tokens=64) as llm:
+        assert greedy(llm, prompts[4:5], MAX_TOKENS) == ref[4:5]  # batch 1
+        assert greedy(llm, prompts, MAX_TOKENS) == ref  # batch 8, cached preamble
+        assert greedy(llm, prompts[4:], MAX_TOKENS) == ref[4:]  # all cached
+        stats = llm.collective_rpc("specplug_stats")[0]
+    m = stats["method"]
+    assert m["store_hits"] > 0 and m["store_misses"] == 0, m
+    assert 1 + stats["accepted_tokens"] / stats["drafts"] > 1.5, stats
+
+
+@pytest.mark.slow
+def test_lossless_under_preemption(ref_model, baseline):
+    prompts, ref = baseline
+    # 4 blocks of 128 tokens for 8 requests of 60-250 tokens: preemptions
+    with engine(ref_model, SPEC, max_model_len=1024, num_gpu_blocks_override=4) as llm:
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
+
+
+def _record_drafts(model: str, prompt: list[int], spec: dict) -> tuple[list, list]:
+    """Greedy output and every draft the drafter made, in a fresh process."""
+    import torch
+
+    drafts: list[list[int]] = []
+    if spec["method"] == "eagle3":
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+        orig = SpecDecodeBaseProposer.propose
+
+        def propose(self, *a, **k):
+            out = orig(self, *a, **k)
+            ids = out[0] if isinstance(out, tuple) else out
+            drafts.append(torch.as_tensor(ids).reshape(-1).tolist())
+            return out
+
+        SpecDecodeBaseProposer.propose = propose
+    else:
+        from vllm_specplug.methods.eagle3_tree import Eagle3TreeProposer
+
+        orig = Eagle3TreeProposer.propose
+
+        def propose(self, batch):
+            trees = orig(self, batch)
+            drafts.extend(t.tokens for t in trees if t is not None)
+            return trees
+
+        Eagle3TreeProposer.propose = propose
+    with engine(model, spec, max_model_len=1024) as llm:
+        out = greedy(llm, [prompt], MAX_TOKENS)
+    return out, drafts
+
+
+@pytest.mark.slow
+def test_topk1_drafts_equal_vllm_eagle3(ref_model, baseline):
+    """Same head, same prompt: with topk=1 the tree is the head's greedy
+    chain, token for token what vLLM's eagle3 proposer drafts each step."""
+    prompts, ref = baseline
+    k = 4
+    out_v, d_v = run_isolated(_record_drafts, ref_model, prompts[1],
+                              {"method": "eagle3", "num_speculative_tokens": k})
+    out_t, d_t = run_isolated(_record_drafts, ref_model, prompts[1],
+                              {"method": "eagle3_tree", "num_speculative_tokens": k,
+                               "topk": 1, "depth": k})
+    assert out_v == out_t == ref[1:2]
+    assert len(d_t) >= 5
+    assert d_t == d_v[: len(d_t)], (d_t, d_v)
+
+
+def _sample(llm, prompt, n, seed0, max_tokens=3):
+    from vllm import SamplingParams, TokensPrompt
+
+    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed0 + i,
+                             ignore_eos=True) for i in range(n)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.slow
+def test_sampling_keeps_target_distribution(ref_model, baseline):
+    from tests.runner.test_tree_engine_features import _homogeneous
+
+    prompt, n = baseline[0][3], 600
+    with engine(ref_model, max_model_len=1024) as llm:
+        plain = _sample(llm, prompt, n, 0)
+    spec = {"method": "eagle3_tree", "num_speculative_tokens": 8, "depth": 3, "topk": 4}
+    with engine(ref_model, spec, max_model_len=1024) as llm:
+        tree = _sample(llm, prompt, n, 10_000)
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
+    for pos in (0, 1, 2):
+        p = _homogeneous([s[pos] for s in plain], [s[pos] for s in tree])
+        assert p > 1e-3, (pos, p)

@@ -1,0 +1,445 @@
+"""The EAGLE-3 head at serving time: per-request K/V state and tree drafting.
+
+Pure torch (no vLLM). The head's math is :class:`~.model.Eagle3Draft`'s; what
+this module adds is the incremental bookkeeping that its ``chain()`` (the slow
+reference, which recomputes the whole prefix per call) does not have:
+
+* **State per request**: the head's own K/V for positions ``0 .. n-1`` and
+  the pre-norm output of row ``n-1`` (which predicts the first draft). Row
+  ``p`` reads the target token ``x[p+1]`` and the target's aux features at
+  ``p`` (vLLM's EAGLE-3 convention), so it can be computed as soon as the
+  target has verified ``x[p+1]``. :meth:`Eagle3Runtime.extend` appends the rows
+  of every step (prefill chunks, accepted paths, whichever method drafted),
+  for all requests of the step in one batched pass. Tree nodes' K/V never
+  enter the state: the next step rewrites their positions from real features.
+* **Prefix store**: blocks served from vLLM's prefix cache produce no
+  hidden states, so a request may start at ``verified_pos > 0``. The head's
+  K/V at position ``p`` depends only on the tokens ``x[0..p+1]``, so finished
+  blocks of ``BLOCK`` positions are kept in an LRU keyed by a chained hash of
+  their token prefix; a request that starts (or resumes) past its state
+  fills the gap from there. If a block is missing the request is marked
+  ``broken`` and drafts nothing until it ends (counted), never from a
+  silently shorter state.
+* **Tree drafting** (:meth:`Eagle3Runtime.draft`), EAGLE-2 style: from the
+  root, expand the top-k frontier depth by depth, one head pass per depth
+  over the frontier rows of every request at once; candidates are scored by
+  cumulative log-probability (over the draft vocabulary); each request keeps
+  its best ``budget`` nodes (ties to the shallower, so parents always come
+  before children), emitted depth-first with the best child first, so the
+  best path is the first path. A static mode expands a rank template
+  (:class:`~vllm_specplug.sources.template.TreeTemplate`) instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vllm_specplug.eagle3.model import Eagle3Draft
+from vllm_specplug.sources.template import TreeTemplate
+from vllm_specplug.engine.tree import DraftTree
+
+BLOCK = 16
+"""Granularity of the prefix store; divides vLLM's block sizes (16, 128)."""
+
+SOURCE = "eagle3"
+
+DepthHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+"""``hook(depth, frontier_logp [B, m]) -> keep [B] bool | None``: called
+before the frontier at ``depth`` (its cumulative log-probabilities; confidence
+is their ``exp``) is expanded; requests with ``keep`` False stop there
+(nothing deeper is drafted for them)."""
+
+
+@dataclass
+class _State:
+    k: torch.Tensor  # [cap, nkv, hd]
+    v: torch.Tensor
+    n: int = 0
+    out: torch.Tensor | None = None  # [H] pre-norm output of row n-1
+    hashes: list[int] = field(default_factory=list)  # chained hash per stored block
+    broken: bool = False
+
+
+@dataclass
+class RuntimeStats:
+    extended_rows: int = 0
+    head_rows: int = 0
+    """Rows the head ran while drafting (frontier rows over all depths)."""
+    draft_calls: int = 0
+    store_hits: int = 0
+    store_misses: int = 0
+    stopped_early: int = 0
+
+
+def _attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+            scale: float) -> torch.Tensor:
+    """Batched attention over several key sets with one softmax.
+
+    q ``[B, Q, nh, hd]``; each part ``(k [B, S, nkv, hd], v, mask [B, Q, S])``.
+    """
+    nh = q.shape[2]
+    scores, values = [], []
+    for k, v, mask in parts:
+        rep = nh // k.shape[2]
+        k = k.repeat_interleave(rep, dim=2)
+        values.append(v.repeat_interleave(rep, dim=2))
+        s = torch.einsum("bqhd,bshd->bhqs", q, k) * scale
+        scores.append(s.masked_fill(~mask[:, None], float("-inf")))
+    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    out, start = 0, 0
+    for v in values:
+        out = out + torch.einsum("bhqs,bshd->bqhd", p[..., start:start + v.shape[1]], v)
+        start += v.shape[1]
+    return out
+
+
+class Eagle3Runtime:
+    """Per-request head state plus batched tree drafting (see module doc)."""
+
+    def __init__(self, head: Eagle3Draft, store_tokens: int = 1 << 16) -> None:
+        self.head = head.eval()
+        attn = head.midlayer.self_attn
+        self.nkv, self.hd = attn.nkv, attn.hd
+        self.scale = 1.0 / math.sqrt(attn.hd)
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.states: dict[str, _State] = {}
+        self.store: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.store_blocks = max(0, store_tokens // BLOCK)
+        self.stats = RuntimeStats()
+
+    # ------------------------------------------------------------ lifecycle
+    def add(self, req_id: str) -> None:
+        self.states[req_id] = self._new_state(256)
+
+    def remove(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    def _new_state(self, cap: int) -> _State:
+        z = torch.empty(cap, self.nkv, self.hd, device=self.device, dtype=self.dtype)
+        return _State(k=z, v=torch.empty_like(z))
+
+    def _state(self, req_id: str) -> _State:
+        st = self.states.get(req_id)
+        if st is None:
+            st = self.states[req_id] = self._new_state(256)
+        return st
+
+    def _reserve(self, st: _State, n: int) -> None:
+        cap = st.k.shape[0]
+        if n <= cap:
+            return
+        new = max(n, 2 * cap)
+        for name in ("k", "v"):
+            old = getattr(st, name)
+            buf = torch.empty(new, *old.shape[1:], device=old.device, dtype=old.dtype)
+            buf[: st.n] = old[: st.n]
+            setattr(st, name, buf)
+
+    def ready(self, req_id: str, num_tokens: int) -> bool:
+        """The state covers the ``num_tokens - 1`` positions a draft after
+        ``num_tokens`` verified tokens needs."""
+        st = self.states.get(req_id)
+        return (st is not None and not st.broken and st.out is not None
+                and st.n == num_tokens - 1)
+
+    # ------------------------------------------------------------ prefix store
+    @staticmethod
+    def _chain_hash(prev: int, tokens: np.ndarray, nxt: int) -> tuple[int, int]:
+        h = hash((prev, tuple(int(t) for t in tokens)))
+        return h, int(nxt)
+
+    def _block_key(self, st: _State, j: int, tokens: np.ndarray) -> tuple[int, int]:
+        prev = st.hashes[j - 1] if j > 0 else 0
+        return self._chain_hash(prev, tokens[j * BLOCK:(j + 1) * BLOCK], tokens[(j + 1) * BLOCK])
+
+    def _store_blocks(self, st: _State, tokens: np.ndarray) -> None:
+        """Hash (and keep) every finished block of the state."""
+        while (len(st.hashes) + 1) * BLOCK <= st.n:
+            j = len(st.hashes)
+            key = self._block_key(st, j, tokens)
+            st.hashes.append(key[0])
+            if self.store_blocks == 0:
+                continue
+            if key in self.store:
+                self.store.move_to_end(key)
+            else:
+                sl = slice(j * BLOCK, (j + 1) * BLOCK)
+                self.store[key] = (st.k[sl].clone(), st.v[sl].clone())
+                while len(self.store) > self.store_blocks:
+                    self.store.popitem(last=False)
+
+    def _fill_from_store(self, st: _State, upto: int, tokens: np.ndarray) -> bool:
+        """Bring the state to ``upto`` rows from the prefix store."""
+        if st.n % BLOCK or upto % BLOCK or st.n != len(st.hashes) * BLOCK:
+            return False
+        self._reserve(st, upto)
+        while st.n < upto:
+            j = st.n // BLOCK
+            key = self._block_key(st, j, tokens)
+            kv = self.store.get(key)
+            if kv is None:
+                return False
+            self.store.move_to_end(key)
+            st.k[st.n:st.n + BLOCK], st.v[st.n:st.n + BLOCK] = kv
+            st.hashes.append(key[0])
+            st.n += BLOCK
+        st.out = None
+        return True
+
+    # ------------------------------------------------------------ extension
+    @torch.no_grad()
+    def extend(self, items: Sequence[tuple[str, int, np.ndarray, torch.Tensor]]) -> None:
+        """Append verified rows. Each item is ``(req_id, verified_pos,
+        token_ids, aux)``: ``aux [n, n_aux*H]`` are the target's features at
+        positions ``verified_pos .. verified_pos+n-1``; ``token_ids`` the
+        verified history (it must reach ``verified_pos + n``, the input token
+        of the last row)."""
+        work = []
+        for rid, pos, tokens, aux in items:
+            n = int(aux.shape[0])
+            st = self._state(rid)
+            if st.broken or n == 0 or len(tokens) < pos + n + 1:
+                continue
+            if st.n > pos:  # recomputed rows (e.g. a resumed request): rewrite them
+                st.n = pos
+                del st.hashes[pos // BLOCK:]
+                st.out = None
+            if st.n < pos:
+                if self._fill_from_store(st, pos, tokens):
+                    self.stats.store_hits += 1
+                else:
+                    st.broken = True
+                    self.stats.store_misses += 1
+                    continue
+            self._reserve(st, pos + n)
+            work.append((st, pos, n, tokens, aux))
+        if not work:
+            return
+        h = self.head
+        toks = torch.as_tensor(np.concatenate([t[p + 1:p + 1 + n] for _, p, n, t, _ in work]),
+                               dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(p, p + n) for _, p, n, _, _ in work]).to(self.device)
+        hid = h.fc(torch.cat([a for *_, a in work]).to(self.device, self.dtype))
+        q, k, v = h._qkv(toks, hid, pos)
+        starts = np.concatenate([[0], np.cumsum([w[2] for w in work])])
+        for i, (st, p, n, _, _) in enumerate(work):
+            st.k[p:p + n] = k[starts[i]:starts[i + 1]]
+            st.v[p:p + n] = v[starts[i]:starts[i + 1]]
+            st.n = p + n
+        att = torch.empty_like(q)
+        # Short extensions (decode steps) in one padded batch, long ones
+        # (prefill chunks) alone so they do not pad everybody.
+        short = [i for i, w in enumerate(work) if w[2] <= 32]
+        groups = ([short] if short else []) + [[i] for i, w in enumerate(work) if w[2] > 32]
+        for g in groups:
+            qmax = max(work[i][2] for i in g)
+            smax = max(work[i][0].n for i in g)
+            qb = q.new_zeros(len(g), qmax, *q.shape[1:])
+            kb = q.new_zeros(len(g), smax, self.nkv, self.hd)
+            vb = torch.zeros_like(kb)
+            mask = torch.zeros(len(g), qmax, smax, dtype=torch.bool, device=self.device)
+            for b, i in enumerate(g):
+                st, p, n = work[i][:3]
+                qb[b, :n] = q[starts[i]:starts[i + 1]]
+                kb[b, :st.n] = st.k[:st.n]
+                vb[b, :st.n] = st.v[:st.n]
+                mask[b, :n] = (torch.arange(smax, device=self.device)[None, :]
+                               <= torch.arange(p, p + n, device=self.device)[:, None])
+            ob = _attend(qb, [(kb, vb, mask)], self.scale)
+            for b, i in enumerate(g):
+                att[starts[i]:starts[i + 1]] = ob[b, :work[i][2]]
+        out = h._post(att, hid)
+        for i, (st, _, _, tokens, _) in enumerate(work):
+            st.out = out[starts[i + 1] - 1].clone()
+            self._store_blocks(st, tokens)
+        self.stats.extended_rows += int(starts[-1])
+
+    # ------------------------------------------------------------ drafting
+    def _logp(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.head.logits(out).float(), dim=-1)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.head.d2t[draft_ids]
+
+    @torch.no_grad()
+    def draft(self, req_ids: Sequence[str], budgets: Sequence[int], *, depth: int = 8,
+              topk: int = 10, template: TreeTemplate | None = None,
+              hook: DepthHook | None = None) -> list[DraftTree | None]:
+        """One tree per request (None where the state is not ready or the
+        budget is 0): at most ``budgets[i]`` nodes, at most ``depth`` deep
+        (``template``: its shape instead of top-k/depth). Requests must be
+        :meth:`ready`. ``DraftTree.scores`` are cumulative log-probabilities."""
+        live = [i for i, (r, b) in enumerate(zip(req_ids, budgets))
+                if b > 0 and r in self.states and self.states[r].out is not None
+                and not self.states[r].broken]
+        trees: list[DraftTree | None] = [None] * len(req_ids)
+        if not live:
+            return trees
+        self.stats.draft_calls += 1
+        sts = [self.states[req_ids[i]] for i in live]
+        need = torch.tensor([budgets[i] for i in live], device=self.device)
+        cand = self._expand(sts, need, depth, topk, template, hook)
+        for j, i in enumerate(live):
+            trees[i] = _select(cand, j, budgets[i])
+        return trees
+
+    def _expand(self, sts: list[_State], need: torch.Tensor, depth: int, topk: int,
+                template: TreeTemplate | None, hook: DepthHook | None) -> dict:
+        """Candidates of every request: tokens, cumulative log-probs, parent
+        (candidate index, -1 = root), all ``[B, C]`` in depth order.
+
+        Exact early stop: a node never scores above its parent, so once a
+        request's best frontier score is no better than the ``need``-th best
+        candidate it already has, nothing deeper can enter its tree."""
+        h, dev = self.head, self.device
+        bsz = len(sts)
+        n_ctx = torch.tensor([st.n for st in sts], device=dev)
+        smax = int(n_ctx.max())
+        ctx_k = torch.zeros(bsz, smax, self.nkv, self.hd, device=dev, dtype=self.dtype)
+        ctx_v = torch.zeros_like(ctx_k)
+        for b, st in enumerate(sts):
+            ctx_k[b, :st.n] = st.k[:st.n]
+            ctx_v[b, :st.n] = st.v[:st.n]
+        ctx_mask = (torch.arange(smax, device=dev)[None, :] < n_ctx[:, None])[:, None, :]
+        root_out = torch.stack([st.out for st in sts])[:, None]  # [B, 1, H]
+        levels = None if template is None else _template_levels(template)
+        max_depth = depth if template is None else template.depth
+        width = topk if template is None else template.max_rank + 1
+
+        toks, scores, parents = [], [], []  # per depth [B, m]
+        # frontier: rows about to be expanded, their outputs' parent rows
+        front_out = root_out
+        front_score = torch.zeros(bsz, 1, device=dev)
+        front_cand = torch.full((bsz, 1), -1, dtype=torch.long, device=dev)  # candidate index
+        tree_k = tree_v = anc = None
+        alive = torch.ones(bsz, dtype=torch.bool, device=dev)
+        n_cand = 0
+        for d in range(1, max_depth + 1):
+            # children of the frontier (rows whose output is front_out)
+            logp = self._logp(front_out)  # [B, m, Vd]
+            vals, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [B, m, w]
+            cum = front_score[..., None] + vals
+            m = front_out.shape[1]
+            if levels is None:
+                c_par = front_cand[..., None].expand(-1, -1, vals.shape[-1]).reshape(bsz, -1)
+                c_tok = self._to_target(ids).reshape(bsz, -1)
+                c_score = cum.reshape(bsz, -1)
+                # next frontier: the best `topk` children overall (EAGLE-2)
+                nxt_score, nxt = c_score.topk(min(topk, c_score.shape[1]), dim=-1)
+                nxt_row = nxt // vals.shape[-1]
+            else:
+                rows, ranks, expand_rows = levels[d - 1]
+                c_par = front_cand[:, rows]
+                c_tok = self._to_target(ids[:, rows, ranks])
+                c_score = cum[:, rows, ranks]
+                nxt = torch.as_tensor(expand_rows, device=dev).expand(bsz, -1)
+                nxt_score = c_score[:, nxt[0]] if len(expand_rows) else c_score[:, :0]
+                nxt_row = torch.as_tensor(rows, device=dev)[nxt] if len(expand_rows) else nxt
+            c_score = c_score.masked_fill(~alive[:, None], float("-inf"))
+            toks.append(c_tok)
+            scores.append(c_score)
+            parents.append(c_par)
+            if d == max_depth or nxt.shape[1] == 0:
+                break
+            have = torch.cat(scores, dim=1)
+            kth = have.topk(min(have.shape[1], int(need.max())), dim=-1).values
+            kth = kth.gather(1, (need.clamp(max=kth.shape[1]) - 1)[:, None])[:, 0]
+            full = need <= have.shape[1]
+            alive &= ~(full & (nxt_score.max(dim=-1).values <= kth))
+            if not bool(alive.any()):
+                break
+            if hook is not None:
+                keep = hook(d, nxt_score)
+                if keep is not None:
+                    stop = alive & ~keep.to(dev)
+                    self.stats.stopped_early += int(stop.sum())
+                    alive &= keep.to(dev)
+                    if not bool(alive.any()):
+                        break
+            # one head pass over the next frontier's rows
+            f_tok = c_tok.gather(1, nxt)
+            f_hid = front_out.gather(1, nxt_row[..., None].expand(-1, -1, front_out.shape[-1]))
+            k_new = nxt.shape[1]
+            pos = (n_ctx[:, None] + (d - 1)).expand(-1, k_new).reshape(-1)
+            q, k, v = h._qkv(f_tok.reshape(-1), f_hid.reshape(bsz * k_new, -1), pos)
+            q = q.view(bsz, k_new, *q.shape[1:])
+            k = k.view(bsz, k_new, *k.shape[1:])
+            v = v.view(bsz, k_new, *v.shape[1:])
+            eye = torch.eye(k_new, dtype=torch.bool, device=dev).expand(bsz, -1, -1)
+            if anc is None:
+                anc = eye
+                tree_k, tree_v = k, v
+            else:
+                # a frontier row sees its parent's ancestors and itself
+                par_anc = anc.gather(1, nxt_row[..., None].expand(-1, -1, anc.shape[-1]))
+                anc = torch.cat([par_anc, eye], dim=-1)
+                tree_k = torch.cat([tree_k, k], dim=1)
+                tree_v = torch.cat([tree_v, v], dim=1)
+            att = _attend(q, [(ctx_k, ctx_v, ctx_mask.expand(-1, k_new, -1)),
+                              (tree_k, tree_v, anc)], self.scale)
+            front_out = h._post(att.reshape(bsz * k_new, *att.shape[2:]),
+                                f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
+            self.stats.head_rows += int(alive.sum()) * k_new
+            front_score = nxt_score
+            front_cand = nxt + n_cand
+            n_cand += c_tok.shape[1]
+        depth_of = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(toks)], dim=1)
+        return {"tokens": torch.cat(toks, 1).cpu().numpy(),
+                "scores": torch.cat(scores, 1).cpu(),
+                "parents": torch.cat(parents, 1).cpu().numpy(),
+                "depths": depth_of.cpu().numpy()}
+
+
+def _template_levels(template: TreeTemplate) -> list[tuple[list[int], list[int], list[int]]]:
+    """Per depth: (frontier row of each node's parent, its rank, indices of
+    the level's nodes that have children = the next frontier, in order)."""
+    depths = template.depths
+    has_child = {p for p in template.parents if p >= 0}
+    levels, prev_nodes = [], [-1]
+    for d in range(1, template.depth + 1):
+        nodes = [i for i, dd in enumerate(depths) if dd == d]
+        rows = [prev_nodes.index(template.parents[i]) for i in nodes]
+        ranks = [template.ranks[i] for i in nodes]
+        expand = [j for j, i in enumerate(nodes) if i in has_child]
+        levels.append((rows, ranks, expand))
+        prev_nodes = [nodes[j] for j in expand]
+    return levels
+
+
+def _select(cand: dict, b: int, budget: int) -> DraftTree | None:
+    """The best ``budget`` candidates of request ``b`` as a tree, best path first."""
+    scores = cand["scores"][b]
+    # stable sort over depth-ordered candidates: ties go to the shallower node,
+    # and a child never scores above its parent, so parents come first
+    order = torch.sort(scores, descending=True, stable=True).indices.numpy()
+    tokens, parents = cand["tokens"][b], cand["parents"][b]
+    sc = scores.numpy()
+    chosen: set[int] = set()
+    for c in order:
+        if len(chosen) >= budget or not np.isfinite(sc[c]):
+            break
+        if parents[c] < 0 or parents[c] in chosen:
+            chosen.add(int(c))
+    if not chosen:
+        return None
+    children: dict[int, list[int]] = {}
+    for c in sorted(chosen, key=lambda c: -sc[c]):
+        children.setdefault(int(parents[c]), []).append(c)
+    out_tok, out_par, out_sc, index = [], [], [], {}
+    stack = list(reversed(children.get(-1, [])))
+    while stack:
+        c = stack.pop()
+        index[c] = len(out_tok)
+        out_tok.append(int(tokens[c]))
+        out_par.append(index[int(parents[c])] if parents[c] >= 0 else -1)
+        out_sc.append(float(sc[c]))
+        stack.extend(reversed(children.get(c, [])))
+    return DraftTree(out_tok, out_par, scores=out_sc, sources=[SOURCE] * len(out_tok))

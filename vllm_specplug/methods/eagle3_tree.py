@@ -1,0 +1,143 @@
+"""`eagle3_tree`: an EAGLE-3 head drafting EAGLE-2-style dynamic trees.
+
+The head reads the target's low/middle/high-layer features of every verified
+row (``Needs.aux_layers``, prefill chunks included) into its own per-request
+K/V state, then expands a tree from the last verified token: the top-k
+frontier depth by depth, one head pass per depth for the whole batch, the
+best ``num_speculative_tokens`` nodes by cumulative log-probability, best
+path first. All of it lives in :mod:`vllm_specplug.eagle3.runtime`; this file
+is configuration and glue. ``graft``, ``reader`` and ``respec`` build on the
+same runtime (its per-depth hook and the per-node scores of its trees).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from vllm_specplug.config import MethodConfig, SpecplugConfigError, missing_option, option_error
+from vllm_specplug.engine.interface import (
+    Needs,
+    Proposer,
+    ProposerContext,
+    ProposerStats,
+    StepRequest,
+)
+from vllm_specplug.engine.stats import RunningStat
+from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.sources.template import TreeTemplate, parse_level_counts
+
+
+class Eagle3TreeConfig(MethodConfig):
+    head: str | None = None
+    """EAGLE-3 head folder (``config.json`` + ``model.safetensors``, as
+    ``specplug eagle3 train`` writes it). None: the head shipped for this
+    target's shape (the reference model has one); any other target must
+    name one."""
+    depth: int = Field(default=8, ge=1, le=32)
+    """Deepest draft level (EAGLE-2/3 and the Graft paper: 8)."""
+    topk: int = Field(default=10, ge=1, le=64)
+    """Children per expanded node and frontier width per depth (papers: 10).
+    ``topk=1`` drafts the head's greedy chain."""
+    mode: Literal["dynamic", "static"] = "dynamic"
+    """``dynamic``: EAGLE-2's top-k frontier by cumulative log-probability.
+    ``static``: expand the rank template ``template`` (fixed shape, for
+    READER's shape optimisation); nodes are still kept by score."""
+    template: str = "default"
+    """Static mode's shape: a preset of ``sources/template.py`` or nodes per
+    level, e.g. ``"8,6,4,3,2"``; ranks below ``topk``."""
+    prefix_store_tokens: int = Field(default=1 << 16, ge=0)
+    """Head K/V positions kept (LRU, by token prefix) for prompt blocks vLLM
+    serves from its prefix cache; a request whose cached prefix is not in the
+    store drafts nothing (counted as ``store_misses``)."""
+
+    @field_validator("template")
+    @classmethod
+    def _known_template(cls, value: str) -> str:
+        parse_level_counts(value)
+        return value
+
+    def check_against(self, num_speculative_tokens: int) -> None:
+        if self.head is not None and not os.path.isfile(
+                os.path.join(self.head, "model.safetensors")):
+            raise option_error("head", f"no EAGLE-3 head (model.safetensors) in "
+                                       f"{self.head!r}")
+
+
+class Eagle3TreeProposer(Proposer):
+    name = "eagle3_tree"
+    config_cls = Eagle3TreeConfig
+
+    def __init__(self, config: Eagle3TreeConfig, ctx: ProposerContext) -> None:
+        super().__init__(config, ctx)
+        from vllm_specplug.eagle3 import default_head_for
+        from vllm_specplug.eagle3.model import load_head
+        from vllm_specplug.eagle3.runtime import Eagle3Runtime
+
+        head_dir = config.head or default_head_for(ctx.model_path)
+        if head_dir is None:
+            raise missing_option("head", "eagle3_tree",
+                                 f"specplug ships no EAGLE-3 head for {ctx.model_path}")
+        if ctx.embed_tokens is None:
+            raise SpecplugConfigError("method 'eagle3_tree' needs the target's input "
+                                      "embeddings, which this model does not expose")
+        head = load_head(head_dir, ctx.embed_tokens.float().cpu())
+        hc = head.cfg
+        if hc["vocab_size"] != ctx.vocab_size or hc.get(
+                "target_hidden_size", hc["hidden_size"]) != ctx.hidden_size:
+            raise option_error(
+                "head", f"{head_dir} was built for a target with vocab "
+                f"{hc['vocab_size']} / hidden {hc.get('target_hidden_size')}, this one "
+                f"has {ctx.vocab_size} / {ctx.hidden_size}")
+        self.head_dir = head_dir
+        self.aux_layers = tuple(hc["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        self.runtime = Eagle3Runtime(head.to(ctx.device), config.prefix_store_tokens)
+        self.template = (TreeTemplate.from_spec(config.template, min(config.topk, 16))
+                         if config.mode == "static" else None)
+        self._extend_time, self._draft_time = RunningStat(), RunningStat()
+        self._steps = 0
+
+    def needs(self) -> Needs:
+        return Needs(aux_layers=self.aux_layers)
+
+    def add_request(self, req_id: str) -> None:
+        self.runtime.add(req_id)
+
+    def remove_request(self, req_id: str) -> None:
+        self.runtime.remove(req_id)
+
+    def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        t0 = time.perf_counter()
+        # every verified row feeds the head's state, whoever drafted
+        self.runtime.extend([(r.req_id, r.verified_pos, r.token_ids, r.aux_hidden)
+                             for r in batch if r.aux_hidden is not None])
+        t1 = time.perf_counter()
+        self._extend_time.add(t1 - t0)
+        ids, budgets = [], []
+        for r in batch:
+            ok = r.sampled and self.runtime.ready(r.req_id, len(r.token_ids))
+            ids.append(r.req_id)
+            budgets.append(r.budget if ok else 0)
+        cfg: Eagle3TreeConfig = self.config
+        trees = self.runtime.draft(ids, budgets, depth=cfg.depth, topk=cfg.topk,
+                                   template=self.template)
+        if any(b > 0 for b in budgets):
+            self._draft_time.add(time.perf_counter() - t1)
+            self._steps += 1
+        return trees
+
+    def stats(self) -> ProposerStats:
+        """Proposer cost per step (state extension + tree drafting) and the
+        head rows it ran."""
+        s = self.runtime.stats
+        return ProposerStats(
+            counters={"extended_rows": s.extended_rows, "draft_head_rows": s.head_rows,
+                      "draft_steps": self._steps, "store_hits": s.store_hits,
+                      "store_misses": s.store_misses},
+            gauges={"head": os.path.basename(os.path.normpath(self.head_dir)),
+                    "extend": self._extend_time.as_ms(), "draft": self._draft_time.as_ms(),
+                    "head_rows_per_step": s.head_rows / max(1, self._steps),
+                    "live_requests": len(self.runtime.states)})
