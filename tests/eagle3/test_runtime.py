@@ -32,8 +32,8 @@ def setup(ref_model):
             "multiply 10 by 7 to get 70, then 2 by 7 to get 14, and add them: 84. "
             "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n")
     ids = tok(text)["input_ids"]
-    aux, _ = cap(ids)
-    return head, np.asarray(ids, dtype=np.int64), aux.float()
+    aux, _ = cap(torch.tensor([ids]))  # run_target's batched forward
+    return head, np.asarray(ids, dtype=np.int64), aux[0].float()
 
 
 def _runtime(head, **kw):

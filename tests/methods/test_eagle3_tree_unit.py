@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specplug.config import SpecplugConfigError, split_speculative_config
+from vllm_specplug.config import SpecplugConfigError
+from vllm_specplug.registry import resolve as split_speculative_config
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
 from vllm_specplug.methods.eagle3_tree import Eagle3TreeConfig, Eagle3TreeProposer
 
