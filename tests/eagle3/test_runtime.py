@@ -48,8 +48,17 @@ def _ref_chain(head, ids, aux, m, steps, forced=None):
     return head.chain(t, aux[: m - 1], int(ids[m - 1]), steps, forced=forced)
 
 
+def _path_nodes(tree, node):
+    """Node indices from the root's child down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]
+
+
 def _path_tokens(tree, node):
-    return [tree.tokens[j] for j in tree.path_to(node)]
+    return [tree.tokens[j] for j in _path_nodes(tree, node)]
 
 
 def _ref_score(head, ids, aux, m, path):
@@ -122,7 +131,7 @@ def test_every_node_matches_a_forced_path_recompute(setup, mode):
         # best path first: the first path follows the best-scored child
         children = tree.children()
         cur = -1
-        for node in tree.path_to(len(tree.first_path()) - 1):
+        for node in _path_nodes(tree, len(tree.first_path()) - 1):
             sib = children[cur + 1]
             assert node == sib[0] and tree.scores[node] == max(tree.scores[s] for s in sib)
             cur = node
