@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.methods.budget import propose
+
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.registry import resolve as split_speculative_config
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
@@ -53,10 +55,10 @@ def test_proposer_feeds_every_request_and_respects_budgets(ref_model):
         batch.append(StepRequest(req_id=rid, token_ids=toks, num_prompt_tokens=n,
                                  sampled=sampled, verified_pos=0,
                                  aux_hidden=torch.randn(n, 3 * 576, generator=g)))
-    trees = prop.propose(batch)
+    trees = propose(prop, batch)  # budgets set as the runner sets them
     assert len(trees[0]) == 16 and len(trees[1]) == 70 - 65 - 1 and trees[2] is None
     assert [prop.runtime.states[r].n for r in "abc"] == [30, 64, 20]
     prop.remove_request("a")
     assert "a" not in prop.runtime.states
-    s = prop.stats()
+    s = prop.report(prop.stats())
     assert s["extended_rows"] == 114 and s["draft"]["n"] == 1
