@@ -27,7 +27,7 @@ def _prompts(model: str, n: int, preamble: str = "") -> list[list[int]]:
 
     from transformers import AutoTokenizer
 
-    from benchmarks.suites import chat_prompt
+    from vllm_specplug.corpus import chat_ids
     from vllm_specplug.eagle3.prompts import spec_bench_path
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -35,7 +35,7 @@ def _prompts(model: str, n: int, preamble: str = "") -> list[list[int]]:
         rows = [json.loads(line) for line in f]
     cats = ("writing", "math_reasoning", "coding", "stem")
     picked = [r for c in cats for r in rows if r["category"] == c][::9][:n]
-    return [chat_prompt(tok, preamble + r["turns"][0]) for r in picked]
+    return [chat_ids(tok, preamble + r["turns"][0]) for r in picked]
 
 
 def _flush(llm) -> None:
