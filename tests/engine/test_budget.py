@@ -154,3 +154,13 @@ def test_learning_from_shadow_outcomes():
     assert not ctl._pending["r"]  # all resolved
     ctl.forget("r")
     assert "r" not in ctl.acceptance.requests
+
+
+def test_a_step_without_decoding_requests_keeps_its_trees():
+    # prompt chunks only (rows=0): nothing to weigh, nothing may break
+    cost = StepCost()
+    cost.observe(1, 0.05)
+    ctl = BudgetController(cost=cost)
+    cut, choice = ctl.choose(["a", "b"], [None, None], [5, 7], rows=0)
+    assert cut == [None, None] and choice.sizes == [0, 0]
+    assert cost(0) > 0

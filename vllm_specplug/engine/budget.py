@@ -88,7 +88,8 @@ class StepCost:
         if rows >= xs[-1]:
             return float(ys[-1])  # optimistic: no dearer than the largest seen
         if rows <= xs[0]:
-            return float(ys[0] * rows / xs[0])  # optimistic: proportional
+            # optimistic: proportional (never 0: callers divide by it)
+            return float(ys[0] * max(rows, 1) / xs[0])
         return float(np.interp(rows, xs, ys))
 
     def as_dict(self) -> dict:
@@ -312,7 +313,8 @@ class BudgetController:
             cand.extend((-float(p[i]), int(depths[i]), j, i) for i in range(len(tree)))
         cand.sort()
         keep = [np.zeros(len(t), dtype=bool) if t is not None else None for t in trees]
-        plain = rows / self.cost(rows) if self.cost.known else 0.0
+        # rows is 0 in a step of prompt chunks only (nothing to draft for)
+        plain = rows / self.cost(rows) if self.cost.known and rows > 0 else 0.0
         best_k, best_rate, gain = 0, plain, float(rows)
         order: list[tuple[int, int]] = []
         for k, (neg_p, _, j, i) in enumerate(cand, 1):

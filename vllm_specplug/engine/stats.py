@@ -14,6 +14,8 @@ class TreeStats:
     tree_drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    budget_faults: int = 0
+    """Steps whose cost-aware cut raised (the trees were verified uncut)."""
     kv_moves: int = 0
     preempted: int = 0
     """Requests the scheduler preempted (their trees and method state are

@@ -705,8 +705,14 @@ class SpecplugRunnerMixin:
                 tree = tree.first_path()
             kept.append(tree)
         if self._sp_budget is not None:
-            kept = self._sp_apply_budget(batch, kept, scheduler_output,
-                                         step_seconds if all_decode else 0.0)
+            try:
+                kept = self._sp_apply_budget(batch, kept, scheduler_output,
+                                             step_seconds if all_decode else 0.0)
+            except Exception:  # noqa: BLE001 - a budget bug must not stop serving
+                # the trees stay uncut (still lossless); say so once
+                if not self._sp_stats.budget_faults:
+                    logger.exception("specplug: cost-aware budget failed; trees uncut")
+                self._sp_stats.budget_faults += 1
         drafts: list[list[int]] = []
         for sreq, tree in zip(batch, kept):
             if tree is None or not len(tree):
