@@ -41,8 +41,8 @@ def _assert_passed(report: dict) -> None:
 
 
 def test_soak_short(ref_model, tmp_path):
-    """About 75 s of load: pld with trees, 32 workers, aborts."""
-    report = soak(ref_model, _spec("pld", ref_model, tmp_path), duration=75,
+    """One minute of load: pld with trees, 32 workers, aborts."""
+    report = soak(ref_model, _spec("pld", ref_model, tmp_path), duration=60,
                   max_requests=400, max_tokens=32, log_dir=str(tmp_path))
     _assert_passed(report)
 

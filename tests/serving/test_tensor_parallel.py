@@ -7,7 +7,8 @@ each rank counts the steps where its own trees differed
 (``rank_divergences``). Checked here on the real engine: greedy output equals
 plain decoding at the same TP size, both ranks verify identical trees
 (identical per-rank counters), and with ``oracle`` the accepted depth is
-exactly what rank 0's trees predict.
+exactly what rank 0's trees predict. The reference model cannot run TP=2 (9
+attention heads); the tiny model (8) does.
 
 On this 2-core machine vLLM's automatic thread binding refuses two CPU
 workers on one NUMA node ("Not enough allowed NUMA nodes to bind threads of
@@ -86,18 +87,16 @@ def test_tp2_oracle_trees_lossless_and_rank_consistent(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_pld_reference_model(ref_model, tmp_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(ref_model)
-    texts = ["Repeat exactly: the quick brown fox jumps over the lazy dog. "
-             "the quick brown fox jumps over the lazy dog.",
-             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"]
-    prompts = [tok(t)["input_ids"] for t in texts]
-    plain = _run(ref_model, None, prompts, 64, tmp_path)["tokens"]
-    res = _run(ref_model, {"method": "pld", "num_speculative_tokens": 8,
-                           "tree_branches": 3}, prompts, 64, tmp_path)
+def test_tp2_recycle_deterministic_on_every_rank(tiny_model, tmp_path):
+    """A deterministic method proposes the same trees on both ranks by
+    itself (no divergence to override). The reference model cannot run TP=2:
+    its 9 attention heads are not divisible by 2 (vLLM refuses), so this
+    uses the tiny model (8 heads), where ``recycle`` always drafts."""
+    prompts = [[5 + i, 6 + i, 7 + i, 8, 9, 10 + i, 5 + i, 6 + i] for i in range(4)]
+    plain = _run(tiny_model, None, prompts, 48, tmp_path)["tokens"]
+    res = _run(tiny_model, {"method": "recycle", "num_speculative_tokens": 8},
+               prompts, 48, tmp_path)
     assert res["tokens"] == plain
     _same_decisions(res["stats"])
-    assert all(s["rank_divergences"] == 0 for s in res["stats"])  # pld is deterministic
-    assert res["stats"][0]["drafts"] > 0
+    assert all(s["rank_divergences"] == 0 for s in res["stats"])
+    assert res["stats"][0]["tree_drafts"] > 0
