@@ -86,8 +86,8 @@ def test_lossless_prefix_caching_and_chunked_prefill(ref_model, baseline):
 @pytest.mark.slow
 def test_lossless_under_preemption(ref_model, baseline):
     prompts, ref = baseline
-    # 4 blocks of 128 tokens for 8 requests of 60-250 tokens: preemptions
-    with engine(ref_model, SPEC, max_model_len=1024, num_gpu_blocks_override=4) as llm:
+    # 5 blocks of 128 tokens for 8 requests of 60-300 tokens: preemptions
+    with engine(ref_model, SPEC, max_model_len=512, num_gpu_blocks_override=5) as llm:
         assert greedy(llm, prompts, MAX_TOKENS) == ref
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
@@ -155,11 +155,20 @@ def _sample(llm, prompt, n, seed0, max_tokens=3):
 def test_sampling_keeps_target_distribution(ref_model, baseline):
     from tests.runner.test_tree_engine_features import _homogeneous
 
-    prompt, n = baseline[0][3], 600
-    with engine(ref_model, max_model_len=1024) as llm:
+    from transformers import AutoTokenizer
+
+    from benchmarks.suites import chat_prompt
+
+    prompt = chat_prompt(AutoTokenizer.from_pretrained(ref_model), "Count from 1 to 10.")
+    n = 600
+    # whole prompts per step: vLLM 0.32's CPU runner crashes when it discards
+    # a seeded request's partial-prefill sample ("CPU Generator does not use
+    # offset"), so no prompt may be split across steps
+    opts = dict(max_model_len=1024, max_num_seqs=4096 // (len(prompt) + 16))
+    with engine(ref_model, **opts) as llm:
         plain = _sample(llm, prompt, n, 0)
     spec = {"method": "eagle3_tree", "num_speculative_tokens": 8, "depth": 3, "topk": 4}
-    with engine(ref_model, spec, max_model_len=1024) as llm:
+    with engine(ref_model, spec, **opts) as llm:
         tree = _sample(llm, prompt, n, 10_000)
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
