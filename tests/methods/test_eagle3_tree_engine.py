@@ -157,9 +157,9 @@ def test_sampling_keeps_target_distribution(ref_model, baseline):
 
     from transformers import AutoTokenizer
 
-    from benchmarks.suites import chat_prompt
+    from vllm_specplug.corpus import chat_ids
 
-    prompt = chat_prompt(AutoTokenizer.from_pretrained(ref_model), "Count from 1 to 10.")
+    prompt = chat_ids(AutoTokenizer.from_pretrained(ref_model), "Count from 1 to 10.")
     n = 600
     # whole prompts per step: vLLM 0.32's CPU runner crashes when it discards
     # a seeded request's partial-prefill sample ("CPU Generator does not use
