@@ -38,7 +38,7 @@ class FlakyPLD(PLDProposer):
 def _req(rid):
     toks = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int64)
     return StepRequest(req_id=rid, token_ids=toks, num_prompt_tokens=8, sampled=True,
-                       verified_pos=7)
+                       verified_pos=7, budget=4)  # as the runner sets it
 
 
 def _proposer():
