@@ -43,7 +43,9 @@ def _record(doc, method):
 @pytest.mark.engine
 @pytest.mark.timeout(600)
 def test_quick_run_float32_is_lossless_and_valid(tmp_path):
-    proc, doc = _bench(tmp_path)
+    # The tiny model is random: the cost-aware budget may rightly cut every
+    # tree to nothing, and this test checks the draft records: pin the size.
+    proc, doc = _bench(tmp_path, "--method-options", '{"pld": {"cost_aware": false}}')
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert doc is not None
     assert report.validate(doc) == []
