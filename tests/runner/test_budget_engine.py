@@ -21,9 +21,10 @@ def test_noise_trees_are_cut_to_nothing(ref_model):
     b = stats["budget"]
     assert b["steps"] > 40
     assert b["proposed_nodes"] >= 8 * b["steps"] - 16
-    # at most the first steps (before a step time is known, and while the
-    # prior acceptance of 0.3 is being unlearned) verify anything
-    assert b["zero_steps"] >= b["steps"] - 12, b
+    # only the first steps (before a step time is known, and while the prior
+    # acceptance of 0.3 is being unlearned) and a few after a noisy timing
+    # verify anything; the rest are plain decoding
+    assert b["zero_steps"] >= 0.75 * b["steps"], b
     assert b["realised_accepted"] <= 2
 
 
