@@ -380,7 +380,7 @@ def _rss_sampler(server: Server, samples: list, stop: list, every: float) -> Non
 def soak(model: str, spec: dict, duration: float, max_requests: int, concurrency: int = 32,
          max_tokens: int = 64, abort_rate: float = 0.1, seed: int = 0,
          warmup_fraction: float = 0.3, log_dir: str | None = None,
-         progress=print) -> dict:
+         progress=print, plain_cache: str | None = None) -> dict:
     import threading
 
     log_dir = log_dir or tempfile.mkdtemp(prefix="specplug-soak-")
@@ -429,10 +429,18 @@ def soak(model: str, spec: dict, duration: float, max_requests: int, concurrency
     # Same greedy requests against plain decoding.
     greedy_ok = {r.index: r for r in results if not r.error and not r.aborted
                  and specs[r.index].greedy}
-    replay = [specs[i] for i in sorted(greedy_ok)]
-    with Server(model, None, log_path=os.path.join(log_dir, "plain_server.log")) as plain:
-        ref = asyncio.run(drive(plain.base, model, replay, concurrency, time.time() + 3600))
-    ref_by = {r.index: r for r in ref}
+    cache_key = {"model": os.path.abspath(model), "seed": seed, "max_tokens": max_tokens,
+                 "abort_rate": abort_rate}
+    cached = _load_plain_cache(plain_cache, cache_key)
+    replay = [specs[i] for i in sorted(greedy_ok) if i not in cached]
+    ref_by = dict(cached)
+    if replay:
+        with Server(model, None, log_path=os.path.join(log_dir, "plain_server.log")) as plain:
+            ref = asyncio.run(drive(plain.base, model, replay, concurrency,
+                                    time.time() + 3600))
+        ref_by.update({r.index: r for r in ref})
+        _save_plain_cache(plain_cache, cache_key, ref_by)
+    report["greedy_from_cache"] = sum(1 for i in greedy_ok if i in cached)
     mismatches = []
     for i, r in greedy_ok.items():
         p = ref_by.get(i)
@@ -445,6 +453,30 @@ def soak(model: str, spec: dict, duration: float, max_requests: int, concurrency
     report["checks"] = _checks(report)
     report["passed"] = all(report["checks"].values())
     return report
+
+
+def _load_plain_cache(path: str | None, key: dict) -> dict[int, "Result"]:
+    """Plain decoding's answers to greedy requests of earlier soaks with the
+    same model, seed and request mix (a request is fully determined by its
+    index), so each method's run replays only the requests not seen before."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("key") != key:
+        return {}
+    return {int(i): Result(int(i), r["kind"], r["texts"], r["finish"])
+            for i, r in data["answers"].items()}
+
+
+def _save_plain_cache(path: str | None, key: dict, answers: dict) -> None:
+    if not path:
+        return
+    ok = {str(i): {"kind": r.kind, "texts": r.texts, "finish": r.finish}
+          for i, r in answers.items() if not r.error and not r.aborted}
+    with open(path + ".tmp", "w") as f:
+        json.dump({"key": key, "answers": ok}, f)
+    os.replace(path + ".tmp", path)
 
 
 def _summarize(results, before, after, rss, t0, load_s, warmup_fraction, sp_stats,
@@ -594,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="JSON report")
     ap.add_argument("--recheck", help="recompute the checks of a saved JSON report")
+    ap.add_argument("--plain-cache", help="JSON file of plain decoding's greedy answers, "
+                    "reused across runs with the same model/seed/request mix (only "
+                    "requests not in it are replayed on the plain server)")
     args = ap.parse_args(argv)
     if args.recheck:
         with open(args.recheck) as f:
@@ -612,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
             tempfile.gettempdir(), "specplug-soak-store"))
     report = soak(model, spec, args.duration, args.max_requests,
                   args.concurrency, args.max_tokens, args.abort_rate, args.seed,
-                  progress=lambda s: print(s, file=sys.stderr, flush=True))
+                  progress=lambda s: print(s, file=sys.stderr, flush=True),
+                  plain_cache=args.plain_cache)
     text = json.dumps(report, indent=2)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -147,47 +147,14 @@ def _check_eagle3_head(head: str, model: str) -> None:
 
 def check_engine_config(config) -> None:
     """Start-up checks that need the engine's whole config (model, cache,
-    scheduler), run in the front end before any engine process starts.
+    scheduler), run in the front end before any engine process starts; the
+    worker runs the same ``runner.checks`` again on the config it gets.
     Every failure is one line naming the key."""
-    from vllm.platforms import current_platform
-
-    from vllm_specplug.config import SpecplugConfigError
+    from vllm_specplug.runner.checks import check_engine_config as check_config
 
     spec = config.additional_config[ADDITIONAL_CONFIG_KEY]
     method = spec["method"]
-    n = config.speculative_config.num_speculative_tokens
-    budget = config.scheduler_config.max_num_batched_tokens
-    if n + 1 > budget:
-        raise SpecplugConfigError(
-            f"speculative_config['num_speculative_tokens']={n}: a draft needs {n + 1} "
-            f"tokens per request per step, more than max_num_batched_tokens={budget}")
-    max_len = config.model_config.max_model_len
-    if n + 1 >= max_len:
-        raise SpecplugConfigError(
-            f"speculative_config['num_speculative_tokens']={n} leaves no room in "
-            f"max_model_len={max_len}")
-    cache_dtype = config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", None):
-        raise SpecplugConfigError(
-            f"kv_cache_dtype='{cache_dtype}': specplug tree verification needs "
-            f"kv_cache_dtype='auto' (method '{method}')")
-    window = config.model_config.get_sliding_window()
-    hf = config.model_config.hf_text_config
-    for key, bad in (("sliding_window", window is not None),
-                     ("attn_logit_softcapping", getattr(hf, "attn_logit_softcapping", None)),
-                     ("alibi", getattr(hf, "alibi", False) or getattr(hf, "use_alibi", False))):
-        if bad:
-            raise SpecplugConfigError(
-                f"model config '{key}': specplug tree verification does not support "
-                f"sliding-window attention, ALiBi or logit soft-capping (method '{method}')")
-    if current_platform.is_cpu():
-        import torch
-
-        dtype = config.model_config.dtype
-        if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
-            raise SpecplugConfigError(
-                "dtype='bfloat16': on this CPU (AMX) vLLM's attention cache uses a "
-                "packed layout tree verification cannot read; use --dtype float32")
+    check_config(config, method)
     registry.get(method).config_cls(**spec["options"]).check_engine(config)
 
 

@@ -38,7 +38,7 @@ def _config(model, spec=None, **kw):
 def test_plugin_sets_piecewise_on_cuda(tiny_model, fake_cuda):
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_specplug.runner.runner import check_graph_mode
+    from vllm_specplug.runner.checks import check_graph_mode
 
     # Without specplug this (faked) CUDA config would capture full graphs.
     plain = _config(tiny_model)

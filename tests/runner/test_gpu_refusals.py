@@ -13,11 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_specplug.runner.runner import (
-    check_config,
+from vllm_specplug.runner.checks import (
     check_graph_mode,
+    check_kv_cache,
     check_kv_groups,
     check_layers,
+    check_model,
+    check_parallel,
 )
 
 H, HKV, D = 4, 2, 32
@@ -104,15 +106,17 @@ def _vllm_config(**over):
 def test_config_refusals():
     from vllm.config import CacheConfig
 
-    check_config(_vllm_config())
+    cfg = _vllm_config()
+    check_model(cfg.model_config, "pld")
+    check_parallel(cfg.parallel_config)
+    check_kv_cache(cfg.cache_config, "pld")
     with pytest.raises(ValueError, match="M-RoPE"):
-        check_config(_vllm_config(model_config=SimpleNamespace(uses_mrope=True)))
-    pp = _vllm_config()
-    pp.parallel_config.pipeline_parallel_size = 2
+        check_model(SimpleNamespace(uses_mrope=True), "pld")
+    cfg.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(ValueError, match="pipeline parallelism"):
-        check_config(pp)
-    with pytest.raises(ValueError, match="unquantized KV cache"):
-        check_config(_vllm_config(cache_config=CacheConfig(cache_dtype="fp8")))
+        check_parallel(cfg.parallel_config)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'"):
+        check_kv_cache(CacheConfig(cache_dtype="fp8"), "pld")
 
 
 def test_kv_cache_groups():

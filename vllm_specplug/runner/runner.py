@@ -41,6 +41,12 @@ from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_b
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
 from vllm_specplug.engine.verify import child_probs, choose_paths, draft_probs_tensor
+from vllm_specplug.runner.checks import (
+    check_engine_config,
+    check_graph_mode,
+    check_kv_groups,
+    check_layers,
+)
 from vllm_specplug.runner.guard import guard_for
 from vllm_specplug.runner.tree_attention import (
     CPU_KV_LAYOUTS,
@@ -130,10 +136,6 @@ def _tp_rank0_float(x: float) -> float:
     return float(t[0])
 
 
-# The Triton tree kernel packs a node's ancestors into one int64.
-MAX_GPU_TREE_NODES = 64
-
-
 def root_rows(query_start_loc: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     """Flat row of each request's root (last verified token): vLLM's
     convention, the first of a request's last ``m+1`` scheduled rows
@@ -163,94 +165,6 @@ class StepState:
     topk: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
     """(ids, probs) ``[rows, k]`` of the logits rows methods read, and the
     logits row -> row-in-(ids, probs) map (-1 where not computed)."""
-
-
-def check_layers(layers: dict, device_type: str, num_speculative_tokens: int) -> None:
-    """Refuse, at start-up and in one line, what tree verification cannot do
-    right. ``layers``: the model's static forward context (name -> module)."""
-    from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-
-    if device_type == "cuda" and num_speculative_tokens > MAX_GPU_TREE_NODES:
-        raise ValueError(
-            f"specplug on GPU verifies trees of at most {MAX_GPU_TREE_NODES} nodes; "
-            f"num_speculative_tokens={num_speculative_tokens}")
-    for name, layer in layers.items():
-        if not isinstance(layer, AttentionLayerBase):
-            continue  # MoE and other no-compile layers
-        if type(layer) is not Attention:
-            # MLA, Mamba/linear attention, chunked-local, sink, cross/encoder...
-            raise ValueError(
-                f"specplug tree verification does not support {type(layer).__name__} "
-                f"layers ({name})")
-        impl = layer.impl
-        sw = getattr(impl, "sliding_window", None)
-        # CPU backend: -1 = none; FLASH_ATTN/TRITON_ATTN: (-1, -1) = none.
-        if sw not in (None, -1, (-1, -1)):
-            raise ValueError(
-                f"specplug tree verification does not support sliding-window "
-                f"attention ({name}, window {sw})")
-        if getattr(impl, "alibi_slopes", None) is not None or getattr(
-                impl, "logits_soft_cap", 0):
-            raise ValueError(
-                f"specplug tree verification does not support ALiBi or logit "
-                f"soft-capping ({name})")
-        if getattr(impl, "sinks", None) is not None:
-            raise ValueError(
-                f"specplug tree verification does not support attention sinks ({name})")
-        if getattr(impl, "attn_type", "decoder") != "decoder":
-            raise ValueError(
-                f"specplug tree verification supports decoder attention only "
-                f"({name}: {impl.attn_type})")
-        if device_type == "cuda" and type(impl).__name__ not in (
-                "FlashAttentionImpl", "TritonAttentionImpl"):
-            raise ValueError(
-                f"specplug tree verification on GPU supports the FLASH_ATTN and "
-                f"TRITON_ATTN backends, not {type(impl).__name__}")
-        if not hasattr(impl, "do_kv_cache_update"):
-            raise ValueError(
-                f"specplug needs the attention backend's KV writer "
-                f"({type(impl).__name__} has no do_kv_cache_update)")
-
-
-def check_config(vllm_config) -> None:
-    """Model- and engine-level refusals (one line each, at start-up)."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-    model = vllm_config.model_config
-    if getattr(model, "uses_mrope", False) or getattr(model, "uses_xdrope_dim", 0):
-        raise ValueError(
-            "specplug tree verification does not support M-RoPE models (tree "
-            "positions are written to 1-D positions only)")
-    pp = vllm_config.parallel_config.pipeline_parallel_size
-    if pp > 1:
-        raise ValueError(
-            f"specplug does not support pipeline parallelism (pipeline_parallel_size={pp})")
-    dtype = vllm_config.cache_config.cache_dtype
-    if dtype not in (None, "auto") and is_quantized_kv_cache(str(dtype)):
-        raise ValueError(
-            f"specplug tree verification needs an unquantized KV cache "
-            f"(kv_cache_dtype={dtype})")
-
-
-def check_graph_mode(compilation_config, device_type: str) -> str:
-    """The CUDA graph mode name; refuses full graphs on GPU (they replay
-    decode batches without the tree attention, see plugin.cuda_graph_mode)."""
-    mode = compilation_config.cudagraph_mode
-    name = getattr(mode, "name", str(mode))
-    if device_type == "cuda" and mode is not None and mode.has_full_cudagraphs():
-        raise ValueError(
-            f"specplug cannot verify trees inside full CUDA graphs (cudagraph_mode="
-            f"{name}); use PIECEWISE or NONE")
-    return name
-
-
-def check_kv_groups(kv_cache_config) -> None:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    if len(groups) > 1:
-        raise ValueError(
-            f"specplug tree verification supports one KV-cache group, the model has "
-            f"{len(groups)} (hybrid or mixed-attention models)")
 
 
 class SpecplugDrafter:
@@ -391,7 +305,7 @@ class SpecplugRunnerMixin:
         from vllm.model_executor.layers.attention import Attention
 
         dev = self.device.type
-        check_config(self.vllm_config)
+        check_engine_config(self.vllm_config, self._sp_method)
         ctx = self.compilation_config.static_forward_context
         check_layers(ctx, dev, self.speculative_config.num_speculative_tokens)
         mode = check_graph_mode(self.compilation_config, dev)
