@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
@@ -29,6 +29,9 @@ from vllm_specplug.engine.interface import (
 from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.sources.template import TreeTemplate, parse_level_counts
+
+if TYPE_CHECKING:
+    from vllm_specplug.eagle3.runtime import DepthHook
 
 
 class Eagle3TreeConfig(MethodConfig):
@@ -110,20 +113,28 @@ class Eagle3TreeProposer(Proposer):
         self.runtime.remove(req_id)
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        self.extend(batch)
+        return self.draft(batch, [r.budget for r in batch])
+
+    def extend(self, batch: list[StepRequest]) -> None:
+        """Every verified row feeds the head's state, whoever drafted (methods
+        that compose this drafter call it every step, drafting or not)."""
         t0 = time.perf_counter()
-        # every verified row feeds the head's state, whoever drafted
         self.runtime.extend([(r.req_id, r.verified_pos, r.token_ids, r.aux_hidden)
                              for r in batch if r.aux_hidden is not None])
+        self._extend_time.add(time.perf_counter() - t0)
+
+    def draft(self, batch: list[StepRequest], budgets: list[int],
+              hook: DepthHook | None = None) -> list[DraftTree | None]:
+        """Trees of at most ``budgets[i]`` nodes (0: none) for the requests
+        whose head state is ready; ``hook`` as in ``Eagle3Runtime.draft``."""
         t1 = time.perf_counter()
-        self._extend_time.add(t1 - t0)
-        ids, budgets = [], []
-        for r in batch:
-            ok = r.sampled and self.runtime.ready(r.req_id, len(r.token_ids))
-            ids.append(r.req_id)
-            budgets.append(r.budget if ok else 0)
+        ids = [r.req_id for r in batch]
+        budgets = [b if r.sampled and self.runtime.ready(r.req_id, len(r.token_ids)) else 0
+                   for r, b in zip(batch, budgets)]
         cfg: Eagle3TreeConfig = self.config
         trees = self.runtime.draft(ids, budgets, depth=cfg.depth, topk=cfg.topk,
-                                   template=self.template)
+                                   template=self.template, hook=hook)
         if any(b > 0 for b in budgets):
             self._draft_time.add(time.perf_counter() - t1)
             self._steps += 1

@@ -253,19 +253,24 @@ class TreeTemplate:
         return out
 
     # ------------------------------------------------------------ to trees
-    def to_draft_tree(self, row: Sequence[int], max_nodes: int | None = None) -> DraftTree:
+    def to_draft_tree(self, row: Sequence[int], max_nodes: int | None = None,
+                      source: str | None = None) -> DraftTree:
         """One expanded row as a DraftTree of at most ``max_nodes`` nodes.
 
         Nodes with no token (-1) are dropped with their subtrees, and so is a
         node repeating a kept sibling's token (its subtree would repeat the
         sibling's, as children depend only on the parent token). Dropping
         keeps the order, so later template nodes fill the freed slots.
+        With ``source``, nodes carry it and their prior path score
+        (:meth:`prior_scores`), so the tree merges and cuts best-first with
+        other scored trees.
         """
         limit = len(self) if max_nodes is None else max_nodes
         kept = [-1] * len(self)  # template node -> tree node, -1 = dropped
         seen: set[tuple[int, int]] = set()
         tokens: list[int] = []
         parents: list[int] = []
+        nodes: list[int] = []  # template node of each tree node
         for i, p in enumerate(self.parents):
             if len(tokens) >= limit:
                 break
@@ -277,7 +282,20 @@ class TreeTemplate:
             kept[i] = len(tokens)
             tokens.append(tok)
             parents.append(parent)
-        return DraftTree(tokens, parents)
+            nodes.append(i)
+        if source is None:
+            return DraftTree(tokens, parents)
+        prior = self.prior_scores()
+        return DraftTree(tokens, parents, [prior[i] for i in nodes], [source] * len(tokens))
+
+    def prior_scores(self) -> list[float]:
+        """Log prior path score of every node (the rank priors that order
+        the presets), decreasing from parent to child."""
+        out: list[float] = []
+        for p, r in zip(self.parents, self.ranks):
+            prior = RANK_PRIOR[min(r, len(RANK_PRIOR) - 1)]
+            out.append((out[p] if p >= 0 else 0.0) + math.log(prior))
+        return out
 
     def chain_tokens(self, row: Sequence[int], max_len: int | None = None) -> list[int]:
         """The greedy (all rank-0) path of an expanded row, up to the first gap."""
