@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "adjacency": "vllm_specplug.sources.adjacency_cli",
     "datastore": "vllm_specplug.datastore.cli",
     "eagle3": "vllm_specplug.eagle3.cli",
+    "graft": "vllm_specplug.methods.graft_calibrate",
     "selftest": "vllm_specplug.selftest",
 }
 

@@ -143,3 +143,58 @@ def test_calibration_file_replaces_thresholds(tmp_path):
     assert cfg.checkpoints == [0, 2, 4] and cfg.thresholds == [0.2, 0.3, 0.4]
     again = GraftConfig(**cfg.to_dict())  # what the workers rebuild
     assert again.thresholds == cfg.thresholds
+
+
+# ------------------------------------------------------------ calibration
+def test_fit_finds_the_known_optimum():
+    """Steps with low confidence do well on retrieval (pruned: 2 tokens,
+    unpruned: 0), confident ones on the draft (pruned: 1, unpruned: 4);
+    equal step costs: the best rule prunes exactly the steps with c <= 0.5."""
+    from vllm_specplug.methods.graft_calibrate import fit_thresholds, objective
+
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0, 1, size=(400, 1))
+    low = conf[:, 0] <= 0.5
+    acc = np.stack([np.where(low, 2, 1), np.where(low, 0, 4)], axis=1).astype(float)
+    t, best = fit_thresholds(conf, acc, np.array([1.0, 1.0]), grid=40)
+    assert conf[low, 0].max() <= t[0] < conf[~low, 0].min()
+    assert best == pytest.approx(objective(conf, acc, np.array([1.0, 1.0]), t))
+    assert best == pytest.approx(((1 + acc[low, 0]).sum() + (1 + acc[~low, 1]).sum()) / 400)
+    # pruning is free in tokens but saves head time: with an expensive
+    # unpruned step it prunes everything
+    t, _ = fit_thresholds(conf, np.ones((400, 2)), np.array([1.0, 5.0]))
+    assert t[0] >= conf.max()
+    # a checkpoint never reached (NaN) never prunes
+    conf2 = np.concatenate([conf, np.full((400, 1), np.nan)], axis=1)
+    acc2 = np.concatenate([acc[:, :1], np.full((400, 1), 9.0), acc[:, 1:]], axis=1)
+    t2, best2 = fit_thresholds(conf2, acc2, np.array([1.0, 1.0, 1.0]), grid=40)
+    assert best2 == pytest.approx(best)
+
+
+def test_recorded_steps_round_trip(parts, tmp_path):
+    """Recording mode logs every drafted step's confidences and each
+    stage's accepted length once the request's next tokens are known, and
+    the fitted file loads back as the method's thresholds."""
+    from vllm_specplug.engine.interface import StepRequest
+    from vllm_specplug.methods.graft_calibrate import fit_thresholds, read_records
+
+    rec = tmp_path / "rec.jsonl"
+    prop = _proposer(parts, record=str(rec))
+    tree = _step(prop, parts)  # verified_pos 0: a prompt of 40 + the sampled token
+    _, _, aux, toks = parts
+    # the target "accepted" the first path of the pruned-at-d0 tree's draft part
+    truth = [tree.tokens[0]] + [int(t) for t in np.arange(5, 20)]
+    longer = np.concatenate([toks, truth]).astype(np.int64)
+    prop.runtime.remove("a")  # a fresh state: only the recorder matters here
+    prop.runtime.add("a")
+    req = StepRequest(req_id="a", token_ids=longer, num_prompt_tokens=40, sampled=False,
+                      verified_pos=0, aux_hidden=torch.randn(len(longer) - 1, 3 * HIDDEN))
+    propose(prop, [req])
+    prop.remove_request("a")
+    conf, acc = read_records(str(rec))
+    assert conf.shape == (1, 3) and acc.shape == (1, 4)
+    assert acc[0, 3] >= 1  # the unpruned tree holds the first true token
+    t, _ = fit_thresholds(conf, acc, np.array([1.0, 1.0, 1.0, 1.0]))
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"checkpoints": [0, 1, 5], "thresholds": t}))
+    assert GraftConfig(calibration=str(cal)).thresholds == t
