@@ -136,6 +136,16 @@ class GraftConfig(Eagle3TreeConfig):
         if self.table_path is not None and not os.path.isfile(self.table_path):
             raise option_error("table_path", f"no such file {self.table_path!r}")
 
+    def check_engine(self, vllm_config) -> None:
+        """Before the engine starts: the warm-start table's vocabulary is the
+        target's."""
+        if self.table_path is not None:
+            try:
+                AdjacencyTable.check_vocab(self.table_path,
+                                           vllm_config.model_config.get_vocab_size())
+            except ValueError as e:
+                raise option_error("table_path", str(e)) from None
+
     def draft_budget(self, stage: int, budget: int) -> int:
         """Draft nodes kept at ``stage`` (index into checkpoints) for a
         tree of ``budget`` nodes: Eq. 8's split scaled from 60 nodes."""

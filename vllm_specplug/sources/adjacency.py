@@ -159,6 +159,17 @@ class AdjacencyTable:
         return meta
 
     @classmethod
+    def check_vocab(cls, path: str, vocab_size: int) -> None:
+        """Start-up check: the saved table was built for this vocabulary
+        (ValueError, one line, otherwise)."""
+        meta = cls.read_header(path)
+        if int(meta.get("vocab_size", -1)) != vocab_size:
+            raise ValueError(
+                f"adjacency table {path} was built for a vocabulary of "
+                f"{meta.get('vocab_size')} tokens (model '{meta.get('model_id', '?')}'), "
+                f"but this model has {vocab_size}: rebuild it with `specplug adjacency build`")
+
+    @classmethod
     def load(
         cls,
         path: str,
