@@ -88,7 +88,8 @@ class GraftConfig(Eagle3TreeConfig):
     record: str | None = None
     """Calibration only: append one JSON line per drafted step with the
     checkpoint confidences and the accepted length each stage's tree would
-    have had (the head is never stopped). Written by ``graft calibrate``."""
+    have had (the head is never stopped). Written by ``graft calibrate``
+    (one engine, tensor parallel size 1: every rank would write)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> GraftConfig:
@@ -212,6 +213,10 @@ class GraftProposer(Eagle3TreeProposer):
         for j, i in enumerate(live):
             stage = gate.stage[j] if cfg.ablation != "no_pruning" else cfg.fixed_stage
             out[i] = self._graft(trees[i], stage, budgets[i], rows, j)
+            if out[i] is not None:
+                n_ret = out[i].sources.count(RETRIEVAL)
+                self.tree_nodes[RETRIEVAL] += n_ret
+                self.tree_nodes["draft"] += len(out[i]) - n_ret
             if self._recorder is not None:
                 # what each stage would have verified: its draft candidates
                 # stop at the checkpoint's depth (the head was not stopped)
@@ -231,19 +236,16 @@ class GraftProposer(Eagle3TreeProposer):
         trie = TrieBuilder(budget)
         if draft is not None:
             trie.insert_tree(normalize_tree(draft, keep))
-        self.tree_nodes["draft"] += len(trie)
         # Not pruned: the base tree alone (the paper), unless the head could
         # not fill the budget; no_retrieval leaves freed slots empty.
         fill = cfg.ablation != "no_retrieval" and (stage is not None or len(trie) < budget)
         if fill:
-            before = len(trie)
             templates = ([self.stage_templates[stage]] if stage is not None else []) \
                 + [self.adjacency.template]
             for t in templates:
                 if len(trie) >= budget:
                     break
                 trie.insert_tree(t.to_draft_tree(rows[id(t)][j], source=RETRIEVAL))
-            self.tree_nodes[RETRIEVAL] += len(trie) - before
         return trie.build() if len(trie) else None
 
     def stats(self) -> ProposerStats:
