@@ -1,8 +1,26 @@
 """`adapld`: AdaPLD, adaptive retrieval and reuse (Liu et al., 2026), model-free.
 
-Every step, for every request (the paper's section 3; ``t`` is the last
-token of the history, the one just sampled, which the target has not read
-yet):
+Two constructions share the paper's pieces (``sources/retrieval.py``):
+
+- default (scored): the anchor is the longest suffix match of the context
+  (up to ``lexical_ngram`` tokens, earliest occurrence: ``pld``'s pick), and
+  the main path is ``pld``'s chain at full budget, so on copy steps the tree
+  holds what ``pld`` would draft. Only when nothing longer than the query
+  token matches does the paper's retrieval + rerank below choose the anchor
+  (``rerank_single``), and the semantic fallback when nothing matches at
+  all. Every node gets an acceptance estimate -- main node ``d``:
+  ``P(first) * P(next)^(d-1)`` for the match length, learned from the
+  verified history (``sources/copy_path.py``); a branch: ``(1 - P(first))``
+  times its stored top-k probability (calibrated online); a successor
+  token: its parent's times ``P(successor | parent)`` -- and the tree is
+  cut best-first to the budget (``normalize_tree``). A long, confident copy
+  keeps the budget; after a short or uncertain one the branches take the
+  deep copy nodes' place. The scores also let a cost-aware budget cut it.
+- ``paper_literal``: the paper as written, below (the ablation row).
+
+The paper's construction, every step, for every request (section 3; ``t``
+is the last token of the history, the one just sampled, which the target
+has not read yet):
 
 1. Retrieval (3.3), lexical first: the candidate anchors are the earlier
    positions ``j < t`` holding the query token ``x_t``. Only when there are
@@ -19,7 +37,9 @@ yet):
    reranked by ``cos(h_{i-1}, h_anchor)``).
 4. The paths are merged into one ``DraftTree`` (main path first, so it
    occupies consecutive slots) within ``num_speculative_tokens``; a chain
-   when the request needs the chain verifier.
+   when the request needs the chain verifier. The main path gets what the
+   branches and successors leave (at least one node; a tight budget drops
+   successors, then the lowest branches), so any budget >= 1 works.
 
 What the target said about every position (layer output, top-k) is kept in
 a ``ContextMemory`` per request (``sources/context_memory.py``).
