@@ -424,15 +424,7 @@ class AdaPLDProposer(Proposer):
             n = 1 if len(main) else 0
         if req.chain_only:
             branches = [] if len(main) else branches[:1]
-        succs: list[np.ndarray] = []
-        if cfg.succ_len and branches:
-            succs, srcs = successor_paths(
-                mem, branches, anchor, cfg.succ_len, cfg.max_candidates,
-                self.sim if cfg.successor_semantic else None, cfg.similarity_threshold,
-                vocab,
-            )
-            for s in srcs:
-                self.counters[f"successor_{s or 'none'}"] += 1
+        succs = self._successors(mem, branches, anchor, vocab)
         probs = self._branch_probs(mem, anchor, branches)
         tree = self._scored_tree(main, n, branches, probs, succs)
         if req.chain_only:
@@ -446,6 +438,19 @@ class AdaPLDProposer(Proposer):
             tree, node_kinds(tree, int(main[0]) if len(main) else None),
             len(toks), source, n if len(main) else 0, probs)
         return tree
+
+    def _successors(self, mem: ContextMemory, branches: list[int], anchor: int,
+                    vocab: TokenVocab | None) -> list[np.ndarray]:
+        """Successor drafting (3.5) for every branch, counted by source."""
+        cfg: AdaPLDConfig = self.config
+        if not cfg.succ_len or not branches:
+            return []
+        succs, srcs = successor_paths(
+            mem, branches, anchor, cfg.succ_len, cfg.max_candidates,
+            self.sim if cfg.successor_semantic else None, cfg.similarity_threshold, vocab)
+        for s in srcs:
+            self.counters[f"successor_{s or 'none'}"] += 1
+        return succs
 
     def _branch_probs(self, mem: ContextMemory, anchor: int,
                       branches: list[int]) -> dict[int, float]:
@@ -494,15 +499,7 @@ class AdaPLDProposer(Proposer):
             branches = []
         elif req.chain_only:
             branches = branches[:1]
-        succs: list[np.ndarray] = []
-        if cfg.succ_len and branches:
-            succs, srcs = successor_paths(
-                mem, branches, anchor, cfg.succ_len, cfg.max_candidates,
-                self.sim if cfg.successor_semantic else None, cfg.similarity_threshold,
-                vocab,
-            )
-            for s in srcs:
-                self.counters[f"successor_{s or 'none'}"] += 1
+        succs = self._successors(mem, branches, anchor, vocab)
         tree = build_draft_tree(main, branches, succs, room, req.chain_only)
         if tree is None or not len(tree):
             self.counters["no_draft"] += 1
