@@ -62,8 +62,8 @@ def _first_path(tree) -> list[int]:
 
 def test_config_defaults_and_needs():
     cfg = RecycleConfig()
-    assert cfg.topk == 8 and cfg.template == "default"
-    assert cfg.table_path is None and cfg.per_request_tables is False
+    assert cfg.topk == 8 and cfg.template == "auto" and cfg.copy_path
+    assert cfg.table_path is None and cfg.per_request_tables is True
     p = RecycleProposer(cfg, _ctx())
     assert p.needs() == Needs(topk=8, prefill_topk=True, tree_topk=True)
     assert RecycleProposer.name == "recycle" and RecycleProposer.config_cls is RecycleConfig
@@ -93,7 +93,7 @@ def test_check_against_names_the_key(tmp_path):
 
 
 def test_repeated_sequence_is_reproduced_as_first_path():
-    p = _proposer(n_spec=30)
+    p = _proposer(n_spec=30, copy_path=False)  # the template alone
     seq = PERIOD * 3
     # The last token of seq plays the freshly sampled one: the prompt rows
     # cover every position before it.
@@ -189,7 +189,13 @@ def test_shared_table_crosses_requests_per_request_tables_do_not():
         propose(p, [_prefill("a", PERIOD, sampled=False)])
         (tree_b,) = propose(p, [StepRequest("b", np.array([9]), 1, True, 0)])
         if isolated:
-            assert tree_b is None and p.table.num_filled() == 0
+            # b arrived before a's prompt: its own table never saw it; the
+            # shared one did, and a request arriving now starts from it
+            assert tree_b is None and p.table.num_filled() == len(PERIOD)
+            p.add_request("c")
+            (tree_c,) = propose(p, [StepRequest("c", np.array([9]), 1, True, 0)])
+            assert tree_c.tokens[0] == 3
+            p.remove_request("c")
         else:
             assert tree_b.tokens[0] == 3
     p.remove_request("a")
@@ -229,5 +235,55 @@ def test_stats_report_table_size_and_step_costs():
     req.topk_probs = torch.full((1, 4), 0.25)
     propose(prop, [req])
     st = prop.report()
-    assert st["table_bytes"] == 50 * 4 * 4 and st["tables"] == 1 and st["filled_rows"] == 1
+    # the shared table + request a's own one
+    assert st["table_bytes"] == 2 * 50 * 4 * 4 and st["tables"] == 2 and st["filled_rows"] == 1
     assert st["update"]["n"] == 1 and st["expand"]["n"] == 1 and st["expand"]["mean_ms"] >= 0
+
+
+# ------------------------------------------------ the copy path (issue 20)
+
+
+def test_copy_path_when_the_context_repeats():
+    """A cold table drafts nothing; once the context repeats 2+ tokens,
+    pld's chain is the draft (at most the budget)."""
+    p = _proposer(n_spec=8)
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2]
+    (tree,) = propose(p, [StepRequest("a", np.array(seq), len(seq) - 1, True, len(seq))])
+    assert tree.tokens == [3, 4, 5, 6, 7, 8, 9, 10] and tree.is_chain()
+    q = _proposer(n_spec=8, copy_path=False)
+    assert propose(q, [StepRequest("a", np.array(seq), len(seq) - 1, True, len(seq))]) == [None]
+    single = [1, 2, 3, 4, 1]  # a one-token match is not "repeating"
+    assert propose(p, [StepRequest("b", np.array(single), 4, True, 5)]) == [None]
+
+
+def test_copy_and_template_are_cut_by_score():
+    """A warm table and a repeating context: copy and template share the
+    budget by score; once the copy has proved itself it takes it all."""
+    seq = [5, 9, 3, 30, 31, 32, 33, 34, 35, 36, 9, 3]  # "9 3" repeats: copy 30 31 ..
+    for proven in (False, True):
+        p = _proposer(n_spec=8)
+        propose(p, [_prefill("w", PERIOD, sampled=False)])  # row of 3: 7 first
+        if proven:
+            p.copy.first[1].add(200, 200)
+            p.copy.next[1].add(200, 200)
+        (tree,) = propose(p, [StepRequest("a", np.array(seq), 11, True, 12)])
+        tree.validate()
+        assert len(tree) == 8 and tree.scores is not None
+        roots = [t for t, q in zip(tree.tokens, tree.parents) if q < 0]
+        assert tree.tokens[0] == 30 and tree.parents[:2] == [-1, 0]
+        if proven:
+            assert tree.is_chain() and tree.tokens == [30, 31, 32, 33, 34, 35, 36, 9]
+        else:
+            assert 7 in roots and 1 < len(tree.first_path()) < 8
+
+
+def test_copy_feedback_and_chain_only():
+    p = _proposer(n_spec=4)
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    req = StepRequest("a", np.array(seq), 10, True, 11, chain_only=True)
+    (tree,) = propose(p, [req])
+    assert tree.is_chain() and tree.tokens == [4, 5, 6, 7]
+    before = p.copy.first[2].value
+    nxt = StepRequest("a", np.array(seq + [4, 5, 6, 7, 8]), 10, True, 11, draft_kept=4)
+    propose(p, [nxt])
+    assert p.copy.first[2].value > before and p.copy.next[2].trials == 3

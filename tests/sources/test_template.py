@@ -174,3 +174,24 @@ def test_chain_tokens():
     row = tpl.expand(table, torch.tensor([1]))[0].tolist()
     assert tpl.chain_tokens(row) == [2, 3, 9]  # row 9 is untouched: stop
     assert tpl.chain_tokens(row, 2) == [2, 3]
+
+
+def test_measured_presets_are_best_first_and_prefix_closed():
+    from vllm_specplug.methods.recycle import RecycleConfig, auto_template
+    from vllm_specplug.sources.template import MEASURED
+
+    for name, n in (("m8", 8), ("m16", 16)):
+        t = TreeTemplate.from_spec(name)
+        assert len(t) == n and t.scores is not None
+        assert list(t.scores) == sorted(t.scores, reverse=True)  # best first
+        for i, p in enumerate(t.parents):  # a child never outscores its parent
+            assert p < 0 or t.scores[p] >= t.scores[i]
+        assert len(MEASURED[name]) == n
+    assert TreeTemplate.from_spec("m16").rank_paths()[:8] == TreeTemplate.from_spec("m8").rank_paths()
+    assert len(TreeTemplate.from_spec("m8", k=2)) == 7  # rank 2 dropped
+    assert [auto_template(n) for n in (1, 8, 9, 16, 17)] == ["m8", "m8", "m16", "m16", "default"]
+    assert len(RecycleConfig().build_template(8)) == 8
+    assert len(RecycleConfig().build_template(24)) == 80
+    # the draft tree carries the template's scores
+    tree = TreeTemplate.from_spec("m8").to_draft_tree(list(range(100, 108)), 4)
+    assert tree.scores == list(TreeTemplate.from_spec("m8").scores[:4])

@@ -25,6 +25,7 @@ earned.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Literal
@@ -245,7 +246,8 @@ class GraftProposer(Eagle3TreeProposer):
             for t in templates:
                 if len(trie) >= budget:
                     break
-                trie.insert_tree(t.to_draft_tree(rows[id(t)][j], source=RETRIEVAL))
+                trie.insert_tree(_log_scores(t.to_draft_tree(rows[id(t)][j],
+                                                             source=RETRIEVAL)))
         return trie.build() if len(trie) else None
 
     def stats(self) -> ProposerStats:
@@ -268,6 +270,17 @@ class GraftProposer(Eagle3TreeProposer):
         if counters.get("draft_steps"):
             out["head_rows_per_step"] = counters["draft_head_rows"] / counters["draft_steps"]
         return out
+
+
+def _log_scores(tree: DraftTree) -> DraftTree:
+    """Template trees score nodes by acceptance probability; draft nodes by
+    cumulative log-probability: one scale, so the runner's best-first cut
+    compares them fairly."""
+    if tree.scores is None:  # a template without priors: keep its order
+        tree.scores = [-1e-3 * (i + 1) for i in range(len(tree))]
+    else:
+        tree.scores = [math.log(max(s, 1e-12)) for s in tree.scores]
+    return tree
 
 
 def _upto(tree: DraftTree | None, depth: int) -> DraftTree | None:

@@ -4,6 +4,18 @@ Every token the target verifies (prompt positions at prefill, every tree
 node at decode, accepted or rejected) leaves its top-k next tokens in an
 adjacency table; a static rank template expanded from the last token turns
 that table into a draft tree. No draft model and no extra forward pass.
+
+When the context repeats (its last ``copy_min_match``+ tokens occurred
+before), the continuation of that earlier occurrence -- ``pld``'s chain --
+joins the tree as a long copy path: both carry per-node acceptance
+estimates (the template's measured per-rank-path rates, the copy's learned
+by match length in ``sources/copy_path.py``) and the merged tree is cut
+best-first to the budget, so a confident copy takes the budget and the
+template fills what it leaves.
+
+Each running request reads its own table rows (``per_request_tables``):
+with one shared table, requests in flight together overwrite each other's
+rows for common tokens (issue 20: batch 8 fell from tau 1.82 to 1.48).
 """
 
 from __future__ import annotations
@@ -22,10 +34,21 @@ from vllm_specplug.engine.interface import (
     StepRequest,
 )
 from vllm_specplug.engine.stats import RunningStat
-from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.engine.tree import DraftTree, normalize_tree
 from vllm_specplug.sources.adjacency import AdjacencyTable
 from vllm_specplug.sources.adjacency_drafter import AdjacencyDrafter
-from vllm_specplug.sources.template import TreeTemplate, parse_level_counts
+from vllm_specplug.sources.copy_path import CopyConfidence, accepted_prefix
+from vllm_specplug.sources.ngram import match
+from vllm_specplug.sources.template import MEASURED, TreeTemplate, parse_level_counts
+
+
+def auto_template(num_speculative_tokens: int) -> str:
+    """``template="auto"``: the smallest measured preset holding the budget
+    (``m8``, ``m16``), else Graft's 80-node envelope."""
+    for name in sorted(MEASURED, key=lambda n: len(MEASURED[n])):
+        if len(MEASURED[name]) >= num_speculative_tokens:
+            return name
+    return "default"
 
 
 class RecycleConfig(MethodConfig):
@@ -33,30 +56,57 @@ class RecycleConfig(MethodConfig):
     """Successors kept per token in the adjacency table (its width); also the
     top-k the target reports per verified position. Templates only use
     ranks below it."""
-    template: str = "default"
-    """Draft-tree shape: a preset (``default`` = Graft's 80-node/9-level
-    envelope, ``tr`` = Token Recycling's 80-node/6-level shape, ``graft_d0``,
-    ``graft_d1``, ``graft_d5``) or nodes per level, e.g. ``"8,6,4,3,2"``.
-    Drafts are its best-first prefix of ``num_speculative_tokens`` nodes."""
+    template: str = "auto"
+    """Draft-tree shape: ``auto`` (the measured small-budget preset that
+    holds ``num_speculative_tokens``: ``m8`` up to 8 nodes, ``m16`` up to
+    16, else ``default``), a measured preset (``m8``, ``m16``: the rank
+    paths the reference model's answers followed most often, see
+    ``sources/template.py``), a level-count preset (``default`` = Graft's
+    80-node/9-level envelope, ``tr`` = Token Recycling's 80-node/6-level
+    shape, ``graft_d0``, ``graft_d1``, ``graft_d5``) or nodes per level,
+    e.g. ``"8,6,4,3,2"``. Drafts are its best-first prefix of
+    ``num_speculative_tokens`` nodes (with the copy path, cut by score)."""
+    copy_path: bool = True
+    """Add the context's copy path (longest suffix match, ``pld``'s chain)
+    when the context repeats; it and the template are cut best-first by
+    their per-node acceptance estimates."""
+    copy_min_match: int = Field(default=2, ge=1, le=64)
+    """Shortest suffix match (tokens) that counts as the context repeating."""
+    copy_max_match: int = Field(default=4, ge=1, le=64)
+    """Longest suffix looked up for the copy path."""
     table_path: str | None = None
     """Warm-start table written by ``specplug adjacency build`` (safetensors);
     None starts from an empty table that fills up from the prompts."""
-    per_request_tables: bool = False
-    """One table per request (each starts from the warm start), so requests
-    never see each other's transitions; costs ``vocab * topk * 4`` bytes
-    per running request and expands requests one at a time."""
+    per_request_tables: bool = True
+    """Each running request drafts from its own table: a copy of the shared
+    one taken when it arrives, then updated with its own steps only (the
+    shared table learns from every request, for the ones that come later).
+    False: one table for all, where concurrent requests overwrite each
+    other's rows (measured: tau at batch 8 well below batch 1). Costs
+    ``vocab * topk * 4`` bytes per running request (1.5 MiB for the
+    reference model) and expands requests one at a time."""
 
     @field_validator("template")
     @classmethod
     def _known_template(cls, value: str) -> str:
-        parse_level_counts(value)
+        if value.strip() != "auto":
+            parse_level_counts(value)
         return value
 
-    def build_template(self) -> TreeTemplate:
-        return TreeTemplate.from_spec(self.template, self.topk)
+    def build_template(self, num_speculative_tokens: int | None = None) -> TreeTemplate:
+        """The template (``auto`` resolved for the budget; ``default``
+        without one)."""
+        spec = self.template
+        if spec.strip() == "auto":
+            spec = auto_template(num_speculative_tokens) if num_speculative_tokens else "default"
+        return TreeTemplate.from_spec(spec, self.topk)
 
     def check_against(self, num_speculative_tokens: int) -> None:
-        size = len(self.build_template())
+        if self.copy_min_match > self.copy_max_match:
+            raise option_error("copy_min_match",
+                               f"must be <= copy_max_match={self.copy_max_match}",
+                               self.copy_min_match)
+        size = len(self.build_template(num_speculative_tokens))
         if num_speculative_tokens > size:
             raise option_error(
                 "num_speculative_tokens", f"exceeds the {size} nodes of template "
@@ -89,9 +139,13 @@ class RecycleProposer(Proposer):
 
     def __init__(self, config: RecycleConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
-        self.drafter = AdjacencyDrafter(self._initial_table(), config.build_template(),
-                                        config.per_request_tables)
+        self.drafter = AdjacencyDrafter(
+            self._initial_table(), config.build_template(ctx.num_speculative_tokens),
+            config.per_request_tables)
         self._update_time, self._expand_time = RunningStat(), RunningStat()
+        self.copy = CopyConfidence(config.copy_max_match)
+        # req_id -> (history length, copy tokens in the tree, match length)
+        self._pending: dict[str, tuple[int, list[int], int]] = {}
 
     @property
     def table(self) -> AdjacencyTable:
@@ -122,8 +176,53 @@ class RecycleProposer(Proposer):
 
     def remove_request(self, req_id: str) -> None:
         self.drafter.remove_request(req_id)
+        self._pending.pop(req_id, None)
+
+    def _feedback(self, req: StepRequest) -> None:
+        """Teach the copy estimate what the target did with the last copy."""
+        pending = self._pending.pop(req.req_id, None)
+        if pending is None or req.draft_kept <= 0:
+            return
+        base, copy, n = pending
+        verified = min(len(copy), req.draft_kept)
+        truth = req.token_ids[base : len(req.token_ids) - 1]
+        self.copy.record(n, verified, accepted_prefix(copy[:verified], truth))
+
+    def _tree(self, req: StepRequest, row: list[int]) -> DraftTree | None:
+        """The template's tree, merged with the copy path when the context
+        repeats, cut best-first to the request's budget."""
+        cfg: RecycleConfig = self.config
+        budget = req.budget
+        copy: list[int] = []
+        n = 0
+        if cfg.copy_path:
+            n, begins = match(req.token_ids, cfg.copy_min_match, cfg.copy_max_match)
+            if n:
+                copy = req.token_ids[begins[0] : begins[0] + budget].tolist()
+        if not copy:
+            return self.drafter.tree(row, budget, req.chain_only)
+        if req.chain_only:
+            tree = DraftTree.chain(copy)
+        else:
+            tmpl = self.template.to_draft_tree(row, budget)
+            if tmpl.scores is None:  # a template without scores ranks below the copy
+                tmpl.scores = [0.0] * len(tmpl)
+            offset = len(copy)
+            tree = normalize_tree(DraftTree(
+                copy + tmpl.tokens,
+                list(range(-1, offset - 1)) + [p + offset if p >= 0 else -1
+                                               for p in tmpl.parents],
+                self.copy.scores(n, offset) + list(tmpl.scores)), budget)
+        kept = 0  # copy nodes lead the kept order
+        while (kept < min(len(tree), len(copy)) and tree.parents[kept] == kept - 1
+               and tree.tokens[kept] == copy[kept]):
+            kept += 1
+        self._pending[req.req_id] = (len(req.token_ids), copy[:kept], n)
+        return tree
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        for req in batch:
+            self._feedback(req)
         t0 = time.perf_counter()
         self.drafter.learn(batch)
         self._update_time.add(time.perf_counter() - t0)
@@ -135,7 +234,7 @@ class RecycleProposer(Proposer):
         rows = self.drafter.expand([batch[i] for i in live])
         self._expand_time.add(time.perf_counter() - t0)
         for i, row in zip(live, rows):
-            out[i] = self.drafter.tree(row, batch[i].budget, batch[i].chain_only)
+            out[i] = self._tree(batch[i], row)
         return out
 
     def stats(self) -> ProposerStats:
@@ -145,5 +244,5 @@ class RecycleProposer(Proposer):
         return ProposerStats(gauges={
             "table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
             "live_requests": len(tables) - 1,  # per-request tables only
-            "filled_rows": self.table.num_filled(),
+            "filled_rows": self.table.num_filled(), **self.copy.snapshot(),
             "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()})

@@ -19,7 +19,9 @@ from vllm_specplug.sources.template import TreeTemplate
 
 
 class AdjacencyDrafter:
-    """One shared table (or one per request), learned from every step."""
+    """One shared table, learned from every step, and optionally one per
+    running request (a copy of the shared one when it arrives, then updated
+    with that request's own steps only)."""
 
     def __init__(self, table: AdjacencyTable, template: TreeTemplate,
                  per_request_tables: bool = False) -> None:
@@ -73,8 +75,10 @@ class AdjacencyDrafter:
                 toks, topk = self.rows(req)
                 if toks:
                     self.table_of(req.req_id).update(torch.cat(toks), torch.cat(topk))
-            return
-        # One update for the whole batch, in batch order (the same on every rank).
+        # The shared table learns from every request either way: it is the
+        # start of the requests that arrive later (per_request_tables) or
+        # the one table (otherwise). One update for the whole batch, in batch
+        # order (the same on every rank).
         toks, topk = [], []
         for req in batch:
             t, k = self.rows(req)

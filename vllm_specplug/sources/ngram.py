@@ -42,17 +42,28 @@ def continuations(
     """Up to ``max_distinct`` continuations of the longest match, distinct in
     their first token, earliest match first (the same first pick as vLLM's
     ``ngram``)."""
+    _, begins = match(tokens, min_n, max_n, max_distinct)
+    return [tokens[b : b + length] for b in begins]
+
+
+def match(
+    tokens: np.ndarray, min_n: int, max_n: int, max_distinct: int = 1
+) -> tuple[int, list[int]]:
+    """The longest suffix match's length (0: none) and where up to
+    ``max_distinct`` of its continuations begin (distinct first tokens,
+    earliest match first). The token before a ``begin`` is the match's
+    anchor; the match length is the copy's evidence
+    (``sources/copy_path.py``)."""
     n, starts = longest_matches(tokens, min_n, max_n)
-    out: list[np.ndarray] = []
+    out: list[int] = []
     seen: set[int] = set()
     for s in starts:
         begin = int(s) + n
-        cont = tokens[begin : begin + length]
-        first = int(cont[0])
+        first = int(tokens[begin])
         if first in seen:
             continue
         seen.add(first)
-        out.append(cont)
+        out.append(begin)
         if len(out) >= max_distinct:
             break
-    return out
+    return n, out

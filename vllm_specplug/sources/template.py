@@ -51,16 +51,52 @@ PRESETS: dict[str, tuple[int, ...]] = {
 }
 
 
+# Rank-path templates measured on the reference model (SmolLM2-135M-Instruct)
+# by ``python -m benchmarks.rank_acceptance`` (a replay of recycle's table
+# over held-out Spec-Bench + HumanEval answers, see its docstring;
+# benchmarks/results/rank_acceptance.json): the ``n`` rank paths most often
+# followed by the target, with that share of positions. Their sum is the
+# template's expected accepted tokens per step on that replay: 0.89 (m8) and
+# 1.09 (m16) over 1,717 positions; depth-1 acceptance by rank was 0.33,
+# 0.089, 0.043, 0.027, 0.026, 0.009, 0.010, 0.009 -- rank 0 dominates, so
+# both are mostly the greedy chain with the next ranks at the root.
+MEASURED: dict[str, tuple[tuple[tuple[int, ...], float], ...]] = {
+    "m16": (
+        ((0,), 0.3296),
+        ((0, 0), 0.1712),
+        ((0, 0, 0), 0.1019),
+        ((1,), 0.0891),
+        ((0, 0, 0, 0), 0.0676),
+        ((0, 0, 0, 0, 0), 0.0472),
+        ((2,), 0.0431),
+        ((0, 0, 0, 0, 0, 0), 0.0367),
+        ((0, 0, 0, 0, 0, 0, 0), 0.0297),
+        ((1, 0), 0.0291),
+        ((3,), 0.0268),
+        ((0, 1), 0.0268),
+        ((4,), 0.0256),
+        ((0, 0, 0, 0, 0, 0, 0, 0), 0.0245),
+        ((0, 0, 0, 0, 0, 0, 0, 0, 0), 0.0227),
+        ((0, 0, 0, 0, 0, 0, 0, 0, 0, 0), 0.0210),
+    ),
+}
+# The 8 most frequent paths are the first 8 of the 16.
+MEASURED["m8"] = MEASURED["m16"][:8]
+
+
 def parse_level_counts(spec: str) -> tuple[int, ...]:
-    """A preset name or comma-separated nodes per level, e.g. ``"8,4,2"``."""
+    """A preset name or comma-separated nodes per level, e.g. ``"8,4,2"``
+    (the measured rank-path presets have no level counts: ``()``)."""
     spec = spec.strip()
+    if spec in MEASURED:
+        return ()
     if spec in PRESETS:
         return PRESETS[spec]
     try:
         counts = tuple(int(x) for x in spec.split(","))
     except ValueError:
         raise ValueError(
-            f"'{spec}' is neither a preset ({', '.join(PRESETS)}) nor "
+            f"'{spec}' is neither a preset ({', '.join([*PRESETS, *MEASURED])}) nor "
             "comma-separated nodes per level like '8,4,2'"
         ) from None
     if not counts or any(c < 1 for c in counts):
@@ -71,11 +107,18 @@ def parse_level_counts(spec: str) -> tuple[int, ...]:
 class TreeTemplate:
     """Parent index + successor rank per node, in topological order."""
 
-    def __init__(self, parents: Sequence[int], ranks: Sequence[int]) -> None:
+    def __init__(self, parents: Sequence[int], ranks: Sequence[int],
+                 scores: Sequence[float] | None = None) -> None:
         if len(parents) != len(ranks):
             raise ValueError("parents and ranks differ in length")
         self.parents = tuple(int(p) for p in parents)
         self.ranks = tuple(int(r) for r in ranks)
+        self.scores = None if scores is None else tuple(float(x) for x in scores)
+        """Per node: the chance it is accepted (a rank-prior product, or
+        measured); draft trees carry it so they can be merged and cut
+        best-first with other scored candidates."""
+        if self.scores is not None and len(self.scores) != len(self.parents):
+            raise ValueError("scores and parents differ in length")
         depths: list[int] = []
         seen: set[tuple[int, int]] = set()
         for i, (p, r) in enumerate(zip(self.parents, self.ranks)):
@@ -97,7 +140,8 @@ class TreeTemplate:
 
     # ------------------------------------------------------------ building
     @classmethod
-    def from_rank_paths(cls, paths: Sequence[Sequence[int]]) -> TreeTemplate:
+    def from_rank_paths(cls, paths: Sequence[Sequence[int]],
+                        scores: Sequence[float] | None = None) -> TreeTemplate:
         """From rank paths like ``[0], [1], [0, 0]``; each path's prefix must
         come earlier."""
         index: dict[tuple[int, ...], int] = {}
@@ -111,7 +155,7 @@ class TreeTemplate:
             index[path] = len(parents)
             parents.append(index[path[:-1]] if len(path) > 1 else -1)
             ranks.append(path[-1])
-        return cls(parents, ranks)
+        return cls(parents, ranks, scores)
 
     @classmethod
     def from_level_counts(
@@ -149,11 +193,17 @@ class TreeTemplate:
         # Best first. A child scores strictly below its parent, so this order
         # is topological; ties are broken by depth to keep it that way.
         chosen.sort(key=lambda c: (-c[0], len(c[1])))
-        return cls.from_rank_paths([path for _, path in chosen])
+        return cls.from_rank_paths([path for _, path in chosen],
+                                   [math.exp(sc) for sc, _ in chosen])
 
     @classmethod
     def from_spec(cls, spec: str, k: int = 8) -> TreeTemplate:
-        """From a preset name or level counts (see :func:`parse_level_counts`)."""
+        """From a preset name or level counts (see :func:`parse_level_counts`);
+        a measured preset keeps its paths with ranks below ``k``."""
+        spec = spec.strip()
+        if spec in MEASURED:
+            kept = [(p, f) for p, f in MEASURED[spec] if max(p) < k]
+            return cls.from_rank_paths([p for p, _ in kept], [f for _, f in kept])
         return cls.from_level_counts(parse_level_counts(spec), k)
 
     # ------------------------------------------------------------ shape
@@ -183,7 +233,8 @@ class TreeTemplate:
     def cut(self, budget: int) -> TreeTemplate:
         """The first ``budget`` nodes: a valid template (parents come first)."""
         n = max(0, budget)
-        return TreeTemplate(self.parents[:n], self.ranks[:n])
+        return TreeTemplate(self.parents[:n], self.ranks[:n],
+                            None if self.scores is None else self.scores[:n])
 
     def greedy_chain(self) -> list[int]:
         """Indices of the all-rank-0 path, root's child first."""
@@ -261,16 +312,15 @@ class TreeTemplate:
         node repeating a kept sibling's token (its subtree would repeat the
         sibling's, as children depend only on the parent token). Dropping
         keeps the order, so later template nodes fill the freed slots.
-        With ``source``, nodes carry it and their prior path score
-        (:meth:`prior_scores`), so the tree merges and cuts best-first with
-        other scored trees.
+        Nodes carry the template's scores (when it has them) and, with
+        ``source``, that source name.
         """
         limit = len(self) if max_nodes is None else max_nodes
         kept = [-1] * len(self)  # template node -> tree node, -1 = dropped
         seen: set[tuple[int, int]] = set()
         tokens: list[int] = []
         parents: list[int] = []
-        nodes: list[int] = []  # template node of each tree node
+        scores: list[float] = []
         for i, p in enumerate(self.parents):
             if len(tokens) >= limit:
                 break
@@ -282,20 +332,10 @@ class TreeTemplate:
             kept[i] = len(tokens)
             tokens.append(tok)
             parents.append(parent)
-            nodes.append(i)
-        if source is None:
-            return DraftTree(tokens, parents)
-        prior = self.prior_scores()
-        return DraftTree(tokens, parents, [prior[i] for i in nodes], [source] * len(tokens))
-
-    def prior_scores(self) -> list[float]:
-        """Log prior path score of every node (the rank priors that order
-        the presets), decreasing from parent to child."""
-        out: list[float] = []
-        for p, r in zip(self.parents, self.ranks):
-            prior = RANK_PRIOR[min(r, len(RANK_PRIOR) - 1)]
-            out.append((out[p] if p >= 0 else 0.0) + math.log(prior))
-        return out
+            if self.scores is not None:
+                scores.append(self.scores[i])
+        return DraftTree(tokens, parents, scores if self.scores is not None else None,
+                         None if source is None else [source] * len(tokens))
 
     def chain_tokens(self, row: Sequence[int], max_len: int | None = None) -> list[int]:
         """The greedy (all rank-0) path of an expanded row, up to the first gap."""
