@@ -163,6 +163,9 @@ class StepState:
     topk: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
     """(ids, probs) ``[rows, k]`` of the logits rows methods read, and the
     logits row -> row-in-(ids, probs) map (-1 where not computed)."""
+    entropy: tuple[torch.Tensor, np.ndarray] | None = None
+    """Entropies ``[rows]`` of each request's accepted logits rows, and the
+    logits row -> row-in-entropies map (-1 where not computed)."""
 
 
 def check_layers(layers: dict, device_type: str, num_speculative_tokens: int) -> None:
@@ -298,6 +301,12 @@ def _num_real(tokens) -> int:
     # -1s (uniform step shapes); that is no draft, whatever vLLM's counters
     # say.
     return len(strip_speculative_padding(list(tokens)))
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of each row's softmax, in float32; ``entr``
+    gives 0 for zero-probability (masked, ``-inf``) entries."""
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def _chain_only(sp) -> bool:
@@ -540,7 +549,23 @@ class SpecplugRunnerMixin:
         finally:
             state.attention = None
         self._sp_topk(logits, state)
+        self._sp_entropy(logits, state)
         return out
+
+    def _sp_entropy(self, logits, state: StepState) -> None:
+        """Entropy of each request's accepted logits rows (the root and the
+        accepted path), from the raw logits: only when a method asks."""
+        if not self._sp_needs.entropy or logits is None:
+            return
+        n_rows = logits.shape[0]
+        want = [int(base) + r for i, base in enumerate(state.logit_base)
+                for r in state.accepted_rows.get(i, [0])]
+        sel = np.unique(np.asarray(want, dtype=np.int64))
+        sel = sel[sel < n_rows]
+        where = np.full(n_rows, -1, dtype=np.int64)
+        where[sel] = np.arange(len(sel))
+        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        state.entropy = (_entropy(logits.index_select(0, idx)), where)
 
     def _sp_topk(self, logits, state: StepState) -> None:
         """Top-k probabilities of only the logits rows methods read: each
@@ -689,6 +714,8 @@ class SpecplugRunnerMixin:
                     dim=-1)
             self._sp_fill_topk(sreq, state, i, rel, is_decode, hidden_states, rows,
                                first, n_sched)
+            if needs.entropy:
+                self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
             batch.append(sreq)
         t1 = time.perf_counter()
@@ -758,6 +785,22 @@ class SpecplugRunnerMixin:
                             [len(s.token_ids) for s in batch],
                             rows=sum(1 for s in batch if s.sampled))
         return cut
+
+    def _sp_fill_entropy(self, sreq, state, i, rel, is_decode, hidden_states,
+                         rows) -> None:
+        if is_decode:
+            if state is None or state.entropy is None:
+                return
+            ent, where = state.entropy
+            base = int(state.logit_base[i])
+            lrows = where[[base + r for r in rel]]
+            if (lrows >= 0).all():
+                sreq.entropy = ent[torch.as_tensor(lrows, device=ent.device)]
+        elif len(rows):
+            # a prompt chunk: only its last row has logits, so run the LM
+            # head over the last few rows (the trigger looks back a few)
+            last = rows[-self._sp_needs.prompt_entropy_rows:]
+            sreq.entropy = _entropy(self.model.compute_logits(hidden_states[last]))
 
     def _sp_fill_topk(self, sreq, state, i, rel, is_decode, hidden_states, rows,
                       first, n_sched) -> None:
