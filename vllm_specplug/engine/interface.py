@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.engine.verify import RelaxedRule
 
 if TYPE_CHECKING:
     from vllm_specplug.config import MethodConfig
@@ -55,6 +56,9 @@ class Needs:
     """With ``entropy``: prompt rows per chunk that get an entropy (the
     trigger looks a few tokens back; a whole prompt would cost an LM-head
     pass over all of it)."""
+    relaxed: RelaxedRule | None = None
+    """LOSSY opt-in (ReSpec's relaxed verification): greedy requests accept
+    some rejected nodes of the named sources (``engine/verify.py``)."""
 
 
 @dataclass

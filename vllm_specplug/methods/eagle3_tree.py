@@ -109,7 +109,10 @@ class Eagle3TreeProposer(Proposer):
     def remove_request(self, req_id: str) -> None:
         self.runtime.remove(req_id)
 
-    def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+    def propose(self, batch: list[StepRequest],
+                drafting: list[bool] | None = None) -> list[DraftTree | None]:
+        """``drafting`` (for methods that compose this one): per request,
+        False = only extend the head's state, draft nothing."""
         t0 = time.perf_counter()
         # every verified row feeds the head's state, whoever drafted
         self.runtime.extend([(r.req_id, r.verified_pos, r.token_ids, r.aux_hidden)
@@ -119,6 +122,7 @@ class Eagle3TreeProposer(Proposer):
         ids, budgets = [], []
         for r in batch:
             ok = r.sampled and self.runtime.ready(r.req_id, len(r.token_ids))
+            ok = ok and (drafting is None or drafting[len(ids)])
             ids.append(r.req_id)
             budgets.append(r.budget if ok else 0)
         cfg: Eagle3TreeConfig = self.config
