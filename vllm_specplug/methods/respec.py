@@ -1,6 +1,8 @@
-"""`respec`: ReSpec (Fang et al., "When, What, and How: Rethinking
-Retrieval-Enhanced Speculative Decoding"), with the EAGLE-3 tree drafter as
-its model-based fallback.
+"""`respec`: ReSpec, entropy-gated retrieval with an EAGLE-3 tree fallback (Fang et al., 2025).
+
+Paper: "When, What, and How: Rethinking Retrieval-Enhanced Speculative
+Decoding". The EAGLE-3 tree drafter (``eagle3_tree``) is its model-based
+fallback (the paper's EAGLE-2).
 
 Every step, for every request:
 
@@ -60,7 +62,7 @@ class RespecConfig(Eagle3TreeConfig):
     lambda_e: float = Field(default=0.5, ge=0.0)
     """Length preference of Eq. 2, ``C_k = H_k + lambda_e / k`` (nats; the
     paper leaves it open). Larger prefers longer keys."""
-    theta_entropy: float = Field(default=1.0, ge=0.0)
+    theta_entropy: float = Field(default=1.5, ge=0.0)
     """Trigger threshold on ``H_{k*}`` (nats). The paper's 1.5 is for 7B
     models; this default comes from the reference model's entropy histogram
     (``benchmarks/results/respec_entropy.png``)."""
