@@ -71,6 +71,7 @@ def test_lossless_under_preemption(ref_model, baseline):
 RELAXED = {**SPEC, "relaxed_lossy": True, "relaxed_phi": 2}
 
 
+@pytest.mark.slow
 def test_relaxed_tau0_beta1_equals_strict(ref_model, baseline):
     prompts, ref = baseline
     spec = {**RELAXED, "relaxed_beta": 1, "relaxed_tau_nats": 0.0}
