@@ -36,6 +36,7 @@ def register() -> None:
 
     _guard_kernel_rebind()
     _fix_compile_cache()
+    _refuse_relaxed_unsupported_requests()
     if getattr(EngineArgs.create_engine_config, "_specplug", False):
         return
     original = EngineArgs.create_engine_config
@@ -73,6 +74,49 @@ def register() -> None:
 
     create_engine_config._specplug = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def relaxed_refusal(params) -> str | None:
+    """Why a request cannot be served under a method's LOSSY relaxed
+    verification (``relaxed_lossy``), or None: it is greedy only, and
+    logprobs or penalties would expose or fight the relaxed choice."""
+    from vllm_specplug.runner.runner import _chain_only
+
+    if params.temperature != 0.0:
+        return "only greedy requests (temperature 0) are served"
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        return "requests with logprobs are not served"
+    if _chain_only(params):
+        return "requests with penalties, logit bias or constraints are not served"
+    return None
+
+
+def _refuse_relaxed_unsupported_requests() -> None:
+    """Request validation in the front end: an engine whose specplug method
+    has ``relaxed_lossy`` on refuses, in one line (an HTTP 400 in the
+    server), the requests relaxed verification cannot serve."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if getattr(InputProcessor._validate_params, "_specplug", False):
+        return
+    original = InputProcessor._validate_params
+
+    def _validate_params(self, params, *args, **kwargs):
+        out = original(self, params, *args, **kwargs)
+        spec = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if (isinstance(params, SamplingParams) and isinstance(spec, dict)
+                and spec.get("options", {}).get("relaxed_lossy")):
+            problem = relaxed_refusal(params)
+            if problem:
+                raise VLLMValidationError(
+                    f"speculative_config['relaxed_lossy'] is on (LOSSY greedy-only "
+                    f"verification): {problem}", parameter="temperature")
+        return out
+
+    _validate_params._specplug = True
+    InputProcessor._validate_params = _validate_params
 
 
 def _with_default_eagle3_head(spec: dict, model: str) -> dict:

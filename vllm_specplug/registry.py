@@ -32,6 +32,7 @@ _METHODS: dict[str, str] = {
     "dresd": "vllm_specplug.methods.dresd:DReSDProposer",
     "eagle3_tree": "vllm_specplug.methods.eagle3_tree:Eagle3TreeProposer",
     "graft": "vllm_specplug.methods.graft:GraftProposer",
+    "respec": "vllm_specplug.methods.respec:RespecProposer",
 }
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.engine.verify import RelaxedRule
 
 if TYPE_CHECKING:
     from vllm_specplug.config import MethodConfig
@@ -45,6 +46,19 @@ class Needs:
     chunks included (vLLM's aux convention: layer ``L`` is the input of
     decoder layer ``L``, i.e. after ``L`` layers). Concatenated in this order
     into ``StepRequest.aux_hidden`` (EAGLE-3 heads read three)."""
+    entropy: bool = False
+    """The target's next-token entropy (nats, of the raw logits) at every
+    verified decode row and at the last ``prompt_entropy_rows`` rows of each
+    prompt chunk, in ``StepRequest.entropy`` (ReSpec's trigger reads it).
+    Costs a softmax over the vocabulary per row, plus an LM-head pass over
+    those prompt rows."""
+    prompt_entropy_rows: int = 4
+    """With ``entropy``: prompt rows per chunk that get an entropy (the
+    trigger looks a few tokens back; a whole prompt would cost an LM-head
+    pass over all of it)."""
+    relaxed: RelaxedRule | None = None
+    """LOSSY opt-in (ReSpec's relaxed verification): greedy requests accept
+    some rejected nodes of the named sources (``engine/verify.py``)."""
 
 
 @dataclass
@@ -72,6 +86,12 @@ class StepRequest:
     ``Needs.aux_layers`` at the same rows as ``hidden``, concatenated."""
     topk_ids: torch.Tensor | None = None
     topk_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    """``[m]`` float32 (``Needs.entropy``): the target's entropy at the
+    *last* ``m`` of this step's rows, i.e. of the distributions after reading
+    ``token_ids[verified_pos + n_rows - m .. verified_pos + n_rows - 1]``
+    (all rows at a decode step, the last ``prompt_entropy_rows`` of a prompt
+    chunk)."""
     node_tokens: torch.Tensor | None = None
     """Input token of every verified tree row (root first), accepted or not."""
     node_topk_ids: torch.Tensor | None = None

@@ -28,6 +28,12 @@ class TreeStats:
     rank_divergences: int = 0
     """Steps where this rank's trees differed from rank 0's (tensor
     parallelism; rank 0's are verified)."""
+    relaxed_tokens: int = 0
+    """Draft tokens accepted by the LOSSY relaxed rule against the target's
+    argmax (``Needs.relaxed``; 0 unless a method opts in)."""
+    relaxed_ineligible: int = 0
+    """Request steps served strictly although the method asks for relaxed
+    verification (sampled, logprobs or penalties)."""
     accepted_depth_hist: dict[int, int] = field(default_factory=dict)
     tree_size_hist: dict[int, int] = field(default_factory=dict)
     collect_seconds: float = 0.0

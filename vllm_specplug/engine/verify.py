@@ -180,3 +180,68 @@ def draft_probs_tensor(q_rows, vocab: int, device) -> torch.Tensor:
         idx = torch.as_tensor(np.asarray([rows, cols], dtype=np.int64)).to(device)
         out[idx[0], idx[1]] = torch.as_tensor(vals, dtype=torch.float32).to(device)
     return out
+
+
+@dataclass(frozen=True)
+class RelaxedRule:
+    """ReSpec's relaxed verification with look-ahead tolerance (section 3.4).
+
+    LOSSY: the output is no longer plain decoding's. For greedy requests
+    only, and only for draft nodes whose ``DraftTree.sources`` name is in
+    ``sources``. A node the argmax rejects is accepted anyway when its token
+    is in the target's top ``beta`` there (Eq. 6), at most ``tau`` nats below
+    the top token (Eq. 7), and at least ``m`` strictly accepted nodes follow
+    it in the tree; at most ``phi`` such attempts per step, and the walk ends
+    at the first attempt that fails (no node qualifies)."""
+
+    beta: int
+    tau: float
+    phi: int
+    m: int
+    sources: tuple[str, ...]
+
+
+def relaxed_path(tree: DraftTree, toks: list[int], rule: RelaxedRule,
+                 top_ids: list[list[int]], top_logp: list[list[float]]
+                 ) -> tuple[list[int], list[int]]:
+    """The greedy path through ``tree`` under ``rule``, and which of its
+    nodes were relaxed (accepted against the argmax). ``top_ids[r]`` /
+    ``top_logp[r]``: the target's top-``beta`` tokens and log-probabilities,
+    best first, at row ``r`` (0: after the root, ``1 + j``: after node j).
+    Pure host code."""
+    children = tree.children()
+    src = tree.sources or [""] * len(toks)
+
+    def strict_child(node: int) -> int | None:
+        top = top_ids[node + 1][0]
+        return next((c for c in children[node + 1] if toks[c] == top), None)
+
+    def strict_run(node: int) -> int:
+        n = 0
+        while (node := strict_child(node)) is not None:
+            n += 1
+        return n
+
+    path: list[int] = []
+    relaxed: list[int] = []
+    cur, attempts = -1, 0
+    while children[cur + 1]:
+        nxt = strict_child(cur)
+        if nxt is None:
+            if attempts >= rule.phi:
+                break
+            attempts += 1
+            row_ids, row_lp = top_ids[cur + 1], top_logp[cur + 1]
+            for c in children[cur + 1]:
+                if src[c] not in rule.sources or toks[c] not in row_ids[: rule.beta]:
+                    continue
+                rank = row_ids.index(toks[c])
+                if row_lp[0] - row_lp[rank] <= rule.tau and strict_run(c) >= rule.m:
+                    nxt = c
+                    relaxed.append(c)
+                    break
+            if nxt is None:
+                break
+        path.append(nxt)
+        cur = nxt
+    return path, relaxed

@@ -112,9 +112,13 @@ class Eagle3TreeProposer(Proposer):
     def remove_request(self, req_id: str) -> None:
         self.runtime.remove(req_id)
 
-    def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+    def propose(self, batch: list[StepRequest],
+                drafting: list[bool] | None = None) -> list[DraftTree | None]:
+        """``drafting`` (for methods that compose this one): per request,
+        False = only extend the head's state, draft nothing."""
         self.extend(batch)
-        return self.draft(batch, [r.budget for r in batch])
+        return self.draft(batch, [r.budget if drafting is None or drafting[i] else 0
+                                  for i, r in enumerate(batch)])
 
     def extend(self, batch: list[StepRequest]) -> None:
         """Every verified row feeds the head's state, whoever drafted (methods

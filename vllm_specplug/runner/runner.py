@@ -40,7 +40,12 @@ from vllm_specplug.engine.budget import BudgetController
 from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_budget
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
-from vllm_specplug.engine.verify import child_probs, choose_paths, draft_probs_tensor
+from vllm_specplug.engine.verify import (
+    child_probs,
+    choose_paths,
+    draft_probs_tensor,
+    relaxed_path,
+)
 from vllm_specplug.runner.checks import (
     check_engine_config,
     check_graph_mode,
@@ -165,6 +170,9 @@ class StepState:
     topk: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None
     """(ids, probs) ``[rows, k]`` of the logits rows methods read, and the
     logits row -> row-in-(ids, probs) map (-1 where not computed)."""
+    entropy: tuple[torch.Tensor, np.ndarray] | None = None
+    """Entropies ``[rows]`` of each request's accepted logits rows, and the
+    logits row -> row-in-entropies map (-1 where not computed)."""
 
 
 class SpecplugDrafter:
@@ -212,6 +220,12 @@ def _num_real(tokens) -> int:
     # -1s (uniform step shapes); that is no draft, whatever vLLM's counters
     # say.
     return len(strip_speculative_padding(list(tokens)))
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of each row's softmax, in float32; ``entr``
+    gives 0 for zero-probability (masked, ``-inf``) entries."""
+    return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def _chain_only(sp) -> bool:
@@ -410,7 +424,7 @@ class SpecplugRunnerMixin:
             if tree is None or m == 0 or tree.tokens[:m] != list(toks):
                 continue  # no tree, or a stale one: vLLM verifies a chain
             tree = tree.truncated(m)
-            if tree.is_chain():
+            if tree.is_chain() and not self._sp_relaxable(tree):
                 continue
             i = self.input_batch.req_id_to_index[rid]
             s = int(roots[i])
@@ -454,7 +468,23 @@ class SpecplugRunnerMixin:
         finally:
             state.attention = None
         self._sp_topk(logits, state)
+        self._sp_entropy(logits, state)
         return out
+
+    def _sp_entropy(self, logits, state: StepState) -> None:
+        """Entropy of each request's accepted logits rows (the root and the
+        accepted path), from the raw logits: only when a method asks."""
+        if not self._sp_needs.entropy or logits is None:
+            return
+        n_rows = logits.shape[0]
+        want = [int(base) + r for i, base in enumerate(state.logit_base)
+                for r in state.accepted_rows.get(i, [0])]
+        sel = np.unique(np.asarray(want, dtype=np.int64))
+        sel = sel[sel < n_rows]
+        where = np.full(n_rows, -1, dtype=np.int64)
+        where[sel] = np.arange(len(sel))
+        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        state.entropy = (_entropy(logits.index_select(0, idx)), where)
 
     def _sp_topk(self, logits, state: StepState) -> None:
         """Top-k probabilities of only the logits rows methods read: each
@@ -509,6 +539,9 @@ class SpecplugRunnerMixin:
                                 {i: int(b) for i, b in prob_base.items()}, sm.generators)
             del probs
         chosen = choose_paths(state.trees, drafts, base, greedy, argmax, walks)
+        relaxed = {}
+        if self._sp_needs.relaxed is not None:
+            relaxed = self._sp_relax(state, drafts, greedy, chosen, logits)
         path_meta, gather, path_tokens = path_chain_metadata(
             chosen.paths, drafts, base, logits.device
         )
@@ -517,7 +550,20 @@ class SpecplugRunnerMixin:
             draft_probs = draft_probs_tensor(chosen.q_rows, logits.shape[-1], logits.device)
         if sm.spec_token_ids is not None:
             sm = dataclasses.replace(sm, spec_token_ids=path_tokens)
-        out = self.rejection_sampler(path_meta, draft_probs, logits[gather], sm)
+        path_logits = logits[gather]
+        if relaxed:
+            # LOSSY (opt-in): make each relaxed token the argmax of the row
+            # that verifies it, so vLLM's greedy verifier accepts it (these
+            # requests were checked to return no logprobs)
+            starts = np.cumsum([len(p) + 1 for p in chosen.paths])
+            for i, ks in relaxed.items():
+                off = int(starts[i]) - len(chosen.paths[i]) - 1
+                for k in ks:
+                    tok = path_tokens[i][k]
+                    row = path_logits[off + k]
+                    row[tok] = row.max() + 1.0
+                    self._sp_stats.relaxed_tokens += 1
+        out = self.rejection_sampler(path_meta, draft_probs, path_logits, sm)
 
         accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
         self._sp_move_kv(state, chosen.paths, accepted)
@@ -525,6 +571,58 @@ class SpecplugRunnerMixin:
             state.accepted_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
         self._sp_stats.record_trees([_num_real(d) for d in drafts], accepted,
                                     state.trees)
+        return out
+
+    def _sp_relaxable(self, tree: DraftTree) -> bool:
+        """The method's LOSSY relaxed rule may apply to this tree (even a
+        chain then goes through the tree walk, which applies it)."""
+        rule = self._sp_needs.relaxed
+        return (rule is not None and tree.sources is not None
+                and any(s in rule.sources for s in tree.sources))
+
+    def _sp_relax(self, state: StepState, drafts, greedy: set[int], chosen,
+                  logits) -> dict[int, list[int]]:
+        """Re-walk the eligible greedy trees under the relaxed rule
+        (``engine/verify.relaxed_path``); returns request -> path positions
+        whose tokens the rule accepted against the argmax. Eligible: greedy,
+        no logprobs, no sampling constraints (``_chain_only``)."""
+        rule = self._sp_needs.relaxed
+        todo = []
+        for i, tree in state.trees.items():
+            if i not in greedy or not self._sp_relaxable(tree):
+                continue
+            req = self.requests.get(self.input_batch.req_ids[i])
+            sp = req.sampling_params if req is not None else None
+            if (sp is None or _chain_only(sp) or sp.logprobs is not None
+                    or sp.prompt_logprobs is not None):
+                self._sp_stats.relaxed_ineligible += 1
+                continue
+            todo.append(i)
+        if not todo:
+            return {}
+        base, n_rows = state.logit_base, state.logit_rows
+        sel = np.concatenate([int(base[i]) + np.arange(int(n_rows[i])) for i in todo])
+        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        logp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
+        vals, ids = logp.topk(min(rule.beta, logp.shape[-1]), dim=-1)
+        vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
+        out, k = {}, 0
+        old = list(chosen.paths)
+        for i in todo:
+            n = int(n_rows[i])
+            path, relaxed = relaxed_path(state.trees[i], drafts[i], rule,
+                                         ids[k:k + n], vals[k:k + n])
+            k += n
+            chosen.paths[i] = path
+            if relaxed:
+                out[i] = [path.index(c) for c in relaxed]
+        # keep the flat draft rows aligned with the (possibly longer) paths
+        q_rows, k = [], 0
+        for i, path in enumerate(old):
+            seg = chosen.q_rows[k:k + len(path)]
+            k += len(path)
+            q_rows.extend([drafts[i][j] for j in chosen.paths[i]] if i in todo else seg)
+        chosen.q_rows = q_rows
         return out
 
     def _sp_move_kv(self, state: StepState, paths, accepted) -> None:
@@ -603,6 +701,8 @@ class SpecplugRunnerMixin:
                     dim=-1)
             self._sp_fill_topk(sreq, state, i, rel, is_decode, hidden_states, rows,
                                first, n_sched)
+            if needs.entropy:
+                self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
             batch.append(sreq)
         t1 = time.perf_counter()
@@ -672,6 +772,22 @@ class SpecplugRunnerMixin:
                             [len(s.token_ids) for s in batch],
                             rows=sum(1 for s in batch if s.sampled))
         return cut
+
+    def _sp_fill_entropy(self, sreq, state, i, rel, is_decode, hidden_states,
+                         rows) -> None:
+        if is_decode:
+            if state is None or state.entropy is None:
+                return
+            ent, where = state.entropy
+            base = int(state.logit_base[i])
+            lrows = where[[base + r for r in rel]]
+            if (lrows >= 0).all():
+                sreq.entropy = ent[torch.as_tensor(lrows, device=ent.device)]
+        elif len(rows):
+            # a prompt chunk: only its last row has logits, so run the LM
+            # head over the last few rows (the trigger looks back a few)
+            last = rows[-self._sp_needs.prompt_entropy_rows:]
+            sreq.entropy = _entropy(self.model.compute_logits(hidden_states[last]))
 
     def _sp_fill_topk(self, sreq, state, i, rel, is_decode, hidden_states, rows,
                       first, n_sched) -> None:
