@@ -31,6 +31,7 @@ _METHODS: dict[str, str] = {
     "adapld": "vllm_specplug.methods.adapld:AdaPLDProposer",
     "dresd": "vllm_specplug.methods.dresd:DReSDProposer",
     "eagle3_tree": "vllm_specplug.methods.eagle3_tree:Eagle3TreeProposer",
+    "reader": "vllm_specplug.methods.reader:ReaderProposer",
 }
 
 
