@@ -18,6 +18,7 @@ _SUBCOMMANDS = {
     "adjacency": "vllm_specplug.sources.adjacency_cli",
     "datastore": "vllm_specplug.datastore.cli",
     "eagle3": "vllm_specplug.eagle3.cli",
+    "reader": "vllm_specplug.methods.reader_cli",
     "selftest": "vllm_specplug.selftest",
 }
 

@@ -52,10 +52,13 @@ PRESETS: dict[str, tuple[int, ...]] = {
 
 
 def parse_level_counts(spec: str) -> tuple[int, ...]:
-    """A preset name or comma-separated nodes per level, e.g. ``"8,4,2"``."""
+    """A preset name or comma-separated nodes per level, e.g. ``"8,4,2"``;
+    for a template file (``*.json``), its level sizes."""
     spec = spec.strip()
     if spec in PRESETS:
         return PRESETS[spec]
+    if spec.endswith(".json"):
+        return tuple(load_template_file(spec).level_sizes())
     try:
         counts = tuple(int(x) for x in spec.split(","))
     except ValueError:
@@ -153,7 +156,11 @@ class TreeTemplate:
 
     @classmethod
     def from_spec(cls, spec: str, k: int = 8) -> TreeTemplate:
-        """From a preset name or level counts (see :func:`parse_level_counts`)."""
+        """From a preset name or level counts (see :func:`parse_level_counts`),
+        or a template file (``*.json``, as written by ``specplug reader
+        optimize-tree``; its shape exactly, ``k`` unused)."""
+        if spec.strip().endswith(".json"):
+            return load_template_file(spec.strip())
         return cls.from_level_counts(parse_level_counts(spec), k)
 
     # ------------------------------------------------------------ shape
@@ -287,3 +294,22 @@ class TreeTemplate:
                 break
             out.append(int(row[i]))
         return out
+
+
+def load_template_file(path: str) -> TreeTemplate:
+    """A template file: JSON with ``rank_paths`` (best first, each after its
+    parent). Any problem is a one-line ValueError naming the file."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            paths = json.load(f)["rank_paths"]
+        template = TreeTemplate.from_rank_paths(paths)
+    except FileNotFoundError:
+        raise ValueError(f"template file {path!r} not found") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"template file {path!r} is not a tree template "
+                         f"({' '.join(str(e).split())})") from None
+    if not len(template):
+        raise ValueError(f"template file {path!r} has no nodes")
+    return template
