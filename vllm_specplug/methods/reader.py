@@ -28,6 +28,7 @@ accepted path after each step.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -86,7 +87,7 @@ def _open_store(path: str, vocab_size: int, tokenizer: str | None,
     from vllm_specplug.datastore.suffix_array import open_sa_datastore
 
     try:
-        return open_sa_datastore(path, vocab_size=vocab_size, tokenizer=tokenizer,
+        return open_sa_datastore(os.path.expanduser(path), vocab_size=vocab_size, tokenizer=tokenizer,
                                  verify_checksums=verify)
     except DatastoreError as e:
         raise option_error("datastore", str(e)) from None
