@@ -34,7 +34,7 @@ def _answers(model: str, prompts: list[list[int]], max_tokens: int) -> list[list
     llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
               max_num_seqs=16)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens))
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="~/.cache/vllm_specplug/reader-sa")
     ap.add_argument("--model", help="target folder (default: the reference model)")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--limit", type=int, help="first N prompts of each suite")
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts: list[list[int]] = []
     for name in names:
         suite = suites.load(name)
-        suites.tokenize(suite, tok, None, 2048 - args.max_tokens)
+        suites.tokenize(suite, tok, args.limit, 2048 - args.max_tokens)
         prompts += suite.prompts
     answers = _answers(model, prompts, args.max_tokens)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
