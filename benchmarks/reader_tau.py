@@ -37,8 +37,9 @@ def _run(model: str, label: str, options: dict, prompts: list[list[int]],
 
     def propose(self, batch):
         for r in batch:
-            if r.sampled:
-                passes[r.req_id] = passes.get(r.req_id, 0) + 1
+            if r.sampled:  # vLLM's internal id: "<request_id>-<8 random chars>"
+                rid = r.req_id.rsplit("-", 1)[0]
+                passes[rid] = passes.get(rid, 0) + 1
         return orig(self, batch)
 
     cls.propose = propose

@@ -106,7 +106,8 @@ def measure(model: str, method: str, options: dict, template, prompts: list[list
             for o in outs}
     accepted = []
     for rid, n, tree in records:
-        truth = full.get(rid)
+        # vLLM's internal id is "<request_id>-<8 random chars>"
+        truth = full.get(rid.rsplit("-", 1)[0])
         if truth is None or n >= len(truth):
             continue
         node, depth = tree.follow(truth[n:])
