@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "datastore": "vllm_specplug.datastore.cli",
     "eagle3": "vllm_specplug.eagle3.cli",
     "graft": "vllm_specplug.methods.graft_calibrate",
+    "reader": "vllm_specplug.methods.reader_cli",
     "selftest": "vllm_specplug.selftest",
 }
 

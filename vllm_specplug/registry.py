@@ -33,6 +33,7 @@ _METHODS: dict[str, str] = {
     "eagle3_tree": "vllm_specplug.methods.eagle3_tree:Eagle3TreeProposer",
     "graft": "vllm_specplug.methods.graft:GraftProposer",
     "respec": "vllm_specplug.methods.respec:RespecProposer",
+    "reader": "vllm_specplug.methods.reader:ReaderProposer",
 }
 
 

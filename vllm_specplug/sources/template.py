@@ -85,13 +85,16 @@ MEASURED["m8"] = MEASURED["m16"][:8]
 
 
 def parse_level_counts(spec: str) -> tuple[int, ...]:
-    """A preset name or comma-separated nodes per level, e.g. ``"8,4,2"``
-    (the measured rank-path presets have no level counts: ``()``)."""
+    """A preset name or comma-separated nodes per level, e.g. ``"8,4,2"``;
+    for a template file (``*.json``), its level sizes (the measured
+    rank-path presets have no level counts: ``()``)."""
     spec = spec.strip()
     if spec in MEASURED:
         return ()
     if spec in PRESETS:
         return PRESETS[spec]
+    if spec.endswith(".json"):
+        return tuple(load_template_file(spec).level_sizes())
     try:
         counts = tuple(int(x) for x in spec.split(","))
     except ValueError:
@@ -199,11 +202,15 @@ class TreeTemplate:
     @classmethod
     def from_spec(cls, spec: str, k: int = 8) -> TreeTemplate:
         """From a preset name or level counts (see :func:`parse_level_counts`);
-        a measured preset keeps its paths with ranks below ``k``."""
+        a measured preset keeps its paths with ranks below ``k``; a template
+        file (``*.json``, as written by ``specplug reader optimize-tree``)
+        gives its shape exactly (``k`` unused)."""
         spec = spec.strip()
         if spec in MEASURED:
             kept = [(p, f) for p, f in MEASURED[spec] if max(p) < k]
             return cls.from_rank_paths([p for p, _ in kept], [f for _, f in kept])
+        if spec.endswith(".json"):
+            return load_template_file(spec)
         return cls.from_level_counts(parse_level_counts(spec), k)
 
     # ------------------------------------------------------------ shape
@@ -345,3 +352,22 @@ class TreeTemplate:
                 break
             out.append(int(row[i]))
         return out
+
+
+def load_template_file(path: str) -> TreeTemplate:
+    """A template file: JSON with ``rank_paths`` (best first, each after its
+    parent). Any problem is a one-line ValueError naming the file."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            paths = json.load(f)["rank_paths"]
+        template = TreeTemplate.from_rank_paths(paths)
+    except FileNotFoundError:
+        raise ValueError(f"template file {path!r} not found") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"template file {path!r} is not a tree template "
+                         f"({' '.join(str(e).split())})") from None
+    if not len(template):
+        raise ValueError(f"template file {path!r} has no nodes")
+    return template
