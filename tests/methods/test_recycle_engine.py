@@ -1,5 +1,5 @@
 """`recycle` on the real engine (reference model, float32) at a small
-budget: measured template + copy path + per-request tables stay
+budget: measured template + copy path (shared table) stay
 token-identical to plain decoding at batch 1 and 8."""
 
 from __future__ import annotations

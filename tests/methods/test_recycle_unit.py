@@ -63,7 +63,7 @@ def _first_path(tree) -> list[int]:
 def test_config_defaults_and_needs():
     cfg = RecycleConfig()
     assert cfg.topk == 8 and cfg.template == "auto" and cfg.copy_path
-    assert cfg.table_path is None and cfg.per_request_tables is True
+    assert cfg.table_path is None and cfg.per_request_tables is False
     p = RecycleProposer(cfg, _ctx())
     assert p.needs() == Needs(topk=8, prefill_topk=True, tree_topk=True)
     assert RecycleProposer.name == "recycle" and RecycleProposer.config_cls is RecycleConfig
@@ -235,8 +235,7 @@ def test_stats_report_table_size_and_step_costs():
     req.topk_probs = torch.full((1, 4), 0.25)
     propose(prop, [req])
     st = prop.report()
-    # the shared table + request a's own one
-    assert st["table_bytes"] == 2 * 50 * 4 * 4 and st["tables"] == 2 and st["filled_rows"] == 1
+    assert st["table_bytes"] == 50 * 4 * 4 and st["tables"] == 1 and st["filled_rows"] == 1
     assert st["update"]["n"] == 1 and st["expand"]["n"] == 1 and st["expand"]["mean_ms"] >= 0
 
 
@@ -252,8 +251,10 @@ def test_copy_path_when_the_context_repeats():
     assert tree.tokens == [3, 4, 5, 6, 7, 8, 9, 10] and tree.is_chain()
     q = _proposer(n_spec=8, copy_path=False)
     assert propose(q, [StepRequest("a", np.array(seq), len(seq) - 1, True, len(seq))]) == [None]
-    single = [1, 2, 3, 4, 1]  # a one-token match is not "repeating"
-    assert propose(p, [StepRequest("b", np.array(single), 4, True, 5)]) == [None]
+    single = [1, 2, 3, 4, 1]  # a one-token match: repeating only from copy_min_match=1
+    assert propose(p, [StepRequest("b", np.array(single), 4, True, 5)])[0].tokens == [2, 3, 4, 1]
+    two = _proposer(n_spec=8, copy_min_match=2)
+    assert propose(two, [StepRequest("b", np.array(single), 4, True, 5)]) == [None]
 
 
 def test_copy_and_template_are_cut_by_score():

@@ -6,16 +6,17 @@ adjacency table; a static rank template expanded from the last token turns
 that table into a draft tree. No draft model and no extra forward pass.
 
 When the context repeats (its last ``copy_min_match``+ tokens occurred
-before), the continuation of that earlier occurrence -- ``pld``'s chain --
+before, 1 by default), the continuation of that earlier occurrence -- ``pld``'s chain --
 joins the tree as a long copy path: both carry per-node acceptance
 estimates (the template's measured per-rank-path rates, the copy's learned
 by match length in ``sources/copy_path.py``) and the merged tree is cut
 best-first to the budget, so a confident copy takes the budget and the
 template fills what it leaves.
 
-Each running request reads its own table rows (``per_request_tables``):
-with one shared table, requests in flight together overwrite each other's
-rows for common tokens (issue 20: batch 8 fell from tau 1.82 to 1.48).
+At batch 8 the template alone loses tau against batch 1 (issue 20: 1.82
+-> 1.48): requests that start together find fewer warm rows (at batch 1
+each request drafts from rows the earlier, finished requests left), which
+the copy path makes up for on repeating text.
 """
 
 from __future__ import annotations
@@ -70,21 +71,25 @@ class RecycleConfig(MethodConfig):
     """Add the context's copy path (longest suffix match, ``pld``'s chain)
     when the context repeats; it and the template are cut best-first by
     their per-node acceptance estimates."""
-    copy_min_match: int = Field(default=2, ge=1, le=64)
-    """Shortest suffix match (tokens) that counts as the context repeating."""
+    copy_min_match: int = Field(default=1, ge=1, le=64)
+    """Shortest suffix match (tokens) that counts as the context repeating
+    (1, as ``pld``: a one-token match's copy is scored low, so it only
+    keeps the nodes the template would fill worse; measured in the issue-20
+    replay, 2 left recycle below pld on translation)."""
     copy_max_match: int = Field(default=4, ge=1, le=64)
     """Longest suffix looked up for the copy path."""
     table_path: str | None = None
     """Warm-start table written by ``specplug adjacency build`` (safetensors);
     None starts from an empty table that fills up from the prompts."""
-    per_request_tables: bool = True
+    per_request_tables: bool = False
     """Each running request drafts from its own table: a copy of the shared
     one taken when it arrives, then updated with its own steps only (the
     shared table learns from every request, for the ones that come later).
-    False: one table for all, where concurrent requests overwrite each
-    other's rows (measured: tau at batch 8 well below batch 1). Costs
-    ``vocab * topk * 4`` bytes per running request (1.5 MiB for the
-    reference model) and expands requests one at a time."""
+    False: one table for all. Measured (issue 20 replay): no better at
+    batch 4-8 than the shared table, whose rows from concurrent requests
+    help about as often as they overwrite. Costs ``vocab * topk * 4``
+    bytes per running request (1.5 MiB for the reference model) and
+    expands requests one at a time."""
 
     @field_validator("template")
     @classmethod
