@@ -126,14 +126,9 @@ class RecycleConfig(MethodConfig):
         target's (a table from another tokenizer is an error)."""
         if self.table_path is None:
             return
-        vocab = vllm_config.model_config.get_vocab_size()
         try:
-            meta = AdjacencyTable.read_header(self.table_path)
-            if int(meta["vocab_size"]) != vocab:
-                raise ValueError(
-                    f"adjacency table {self.table_path} was built for a vocabulary of "
-                    f"{meta['vocab_size']} tokens (model '{meta.get('model_id', '?')}'), "
-                    f"but this model has {vocab}: rebuild it with `specplug adjacency build`")
+            AdjacencyTable.check_vocab(self.table_path,
+                                       vllm_config.model_config.get_vocab_size())
         except (ValueError, KeyError) as e:
             raise option_error("table_path", str(e)) from None
 
