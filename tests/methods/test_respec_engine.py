@@ -81,6 +81,7 @@ def test_relaxed_tau0_beta1_equals_strict(ref_model, baseline):
     assert stats["relaxed_tokens"] == 0 and stats["method"]["retrieved"] > 0
 
 
+@pytest.mark.slow  # the LOSSY opt-in mode; default-suite time goes to strict mode
 def test_relaxed_tokens_satisfy_eq6_eq7_and_lookahead(ref_model, baseline):
     import torch
     from transformers import AutoModelForCausalLM
