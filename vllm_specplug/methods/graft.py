@@ -172,12 +172,9 @@ class GraftProposer(Eagle3TreeProposer):
 
     @staticmethod
     def _initial_table(config: GraftConfig, ctx: ProposerContext) -> AdjacencyTable:
-        model_id = os.path.basename(os.path.normpath(ctx.model_path)) if ctx.model_path else ""
-        if config.table_path is None:
-            return AdjacencyTable(ctx.vocab_size, config.adjacency_topk, ctx.device, model_id)
         try:
-            return AdjacencyTable.load(config.table_path, ctx.vocab_size,
-                                       config.adjacency_topk, ctx.device, model_id)
+            return AdjacencyTable.for_target(config.table_path, ctx.vocab_size,
+                                             config.adjacency_topk, ctx.device, ctx.model_path)
         except ValueError as e:
             raise option_error("table_path", str(e)) from None
 

@@ -156,15 +156,10 @@ class RecycleProposer(Proposer):
         return self.drafter.template
 
     def _initial_table(self) -> AdjacencyTable:
-        cfg: RecycleConfig = self.config
-        ctx = self.ctx
-        model_id = os.path.basename(os.path.normpath(ctx.model_path)) if ctx.model_path else ""
-        if cfg.table_path is None:
-            return AdjacencyTable(ctx.vocab_size, cfg.topk, ctx.device, model_id)
+        cfg, ctx = self.config, self.ctx
         try:
-            return AdjacencyTable.load(
-                cfg.table_path, ctx.vocab_size, cfg.topk, ctx.device, model_id
-            )
+            return AdjacencyTable.for_target(cfg.table_path, ctx.vocab_size, cfg.topk,
+                                             ctx.device, ctx.model_path)
         except ValueError as e:
             raise option_error("table_path", str(e)) from None
 

@@ -170,6 +170,17 @@ class AdjacencyTable:
                 f"but this model has {vocab_size}: rebuild it with `specplug adjacency build`")
 
     @classmethod
+    def for_target(cls, path: str | None, vocab_size: int, k: int, device,
+                   model_path: str | None) -> AdjacencyTable:
+        """A method's starting table: the warm start at ``path`` (checked
+        against this target, ValueError otherwise) or, without one, an empty
+        table tagged with the target's folder name."""
+        model_id = os.path.basename(os.path.normpath(model_path)) if model_path else ""
+        if path is None:
+            return cls(vocab_size, k, device, model_id)
+        return cls.load(path, vocab_size, k, device, model_id)
+
+    @classmethod
     def load(
         cls,
         path: str,
