@@ -77,27 +77,16 @@ def fit_thresholds(conf: np.ndarray, accepted: np.ndarray, step_ms: np.ndarray,
     steps, n = conf.shape
     if accepted.shape != (steps, n + 1) or step_ms.shape != (n + 1,):
         raise ValueError("accepted must be [steps, checkpoints + 1], step_ms [checkpoints + 1]")
-    gain = 1.0 + accepted
     cands = []
     for i in range(n):
         c = conf[:, i][~np.isnan(conf[:, i])]
         qs = np.quantile(c, np.linspace(0, 1, grid + 1)) if len(c) else np.array([])
         cands.append(np.unique(np.concatenate([[0.0, 1.0], qs])))
-    le = [[np.nan_to_num(conf[:, i], nan=np.inf) <= t for t in cands[i]] for i in range(n)]
     best, best_t = -1.0, None
-    for combo in itertools.product(*(range(len(c)) for c in cands)):
-        left = np.ones(steps, dtype=bool)
-        tokens = ms = 0.0
-        for i, k in enumerate(combo):
-            hit = left & le[i][k]
-            tokens += gain[hit, i].sum()
-            ms += step_ms[i] * hit.sum()
-            left &= ~hit
-        tokens += gain[left, n].sum()
-        ms += step_ms[n] * left.sum()
-        value = tokens / ms if ms > 0 else 0.0
+    for combo in itertools.product(*cands):
+        value = objective(conf, accepted, step_ms, [float(t) for t in combo])
         if value > best + 1e-12:
-            best, best_t = value, [float(cands[i][k]) for i, k in enumerate(combo)]
+            best, best_t = value, [float(t) for t in combo]
     # The grid only holds quantiles; refine one threshold at a time over
     # every recorded confidence (the objective only changes there).
     for _ in range(3):
@@ -128,7 +117,7 @@ def objective(conf, accepted, step_ms, thresholds) -> float:
         left &= ~hit
     tokens += (1.0 + accepted[left, n]).sum()
     ms += step_ms[n] * left.sum()
-    return tokens / ms
+    return tokens / ms if ms > 0 else 0.0
 
 
 def read_records(path: str) -> tuple[np.ndarray, np.ndarray]:
