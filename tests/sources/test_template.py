@@ -195,3 +195,26 @@ def test_measured_presets_are_best_first_and_prefix_closed():
     # the draft tree carries the template's scores
     tree = TreeTemplate.from_spec("m8").to_draft_tree(list(range(100, 108)), 4)
     assert tree.scores == list(TreeTemplate.from_spec("m8").scores[:4])
+
+
+def test_template_file_with_ranks_past_topk_is_a_start_up_error(tmp_path):
+    """A template file (as `specplug reader optimize-tree` writes it) whose
+    ranks reach past the drafter's top-k is refused when the options are
+    checked, naming the key, for every method that loads templates."""
+    import json
+
+    from vllm_specplug.config import SpecplugConfigError
+    from vllm_specplug.registry import build_config
+
+    path = tmp_path / "wide.json"
+    path.write_text(json.dumps({"rank_paths": [[0], [5], [0, 0]]}))
+    assert len(TreeTemplate.from_spec(str(path), 8)) == 3
+    with pytest.raises(ValueError, match="uses rank 5, but topk=4"):
+        TreeTemplate.from_spec(str(path), 4)
+    cases = [("recycle", {"template": str(path), "topk": 4}, "template"),
+             ("eagle3_tree", {"mode": "static", "template": str(path), "topk": 4}, "template"),
+             ("graft", {"templates": [str(path)] * 3, "adjacency_topk": 4}, "templates")]
+    for method, options, key in cases:
+        with pytest.raises(SpecplugConfigError, match=f"{key}.*uses rank 5"):
+            build_config(method, options, 3)
+        build_config(method, {**options, **{k: 8 for k in options if "topk" in k}}, 3)

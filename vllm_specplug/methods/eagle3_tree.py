@@ -68,6 +68,11 @@ class Eagle3TreeConfig(MethodConfig):
                 os.path.join(self.head, "model.safetensors")):
             raise option_error("head", f"no EAGLE-3 head (model.safetensors) in "
                                        f"{self.head!r}")
+        if self.mode == "static":
+            try:  # a template file's ranks must lie below topk
+                TreeTemplate.from_spec(self.template, min(self.topk, 16))
+            except ValueError as e:
+                raise option_error("template", str(e)) from None
 
 
 class Eagle3TreeProposer(Proposer):

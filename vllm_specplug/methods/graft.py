@@ -135,6 +135,11 @@ class GraftConfig(Eagle3TreeConfig):
 
     def check_against(self, num_speculative_tokens: int) -> None:
         super().check_against(num_speculative_tokens)
+        for t in self.templates:
+            try:  # a template file's ranks must lie below adjacency_topk
+                TreeTemplate.from_spec(t, self.adjacency_topk)
+            except ValueError as e:
+                raise option_error("templates", str(e)) from None
         if self.table_path is not None and not os.path.isfile(self.table_path):
             raise option_error("table_path", f"no such file {self.table_path!r}")
 

@@ -111,7 +111,10 @@ class RecycleConfig(MethodConfig):
             raise option_error("copy_min_match",
                                f"must be <= copy_max_match={self.copy_max_match}",
                                self.copy_min_match)
-        size = len(self.build_template(num_speculative_tokens))
+        try:  # a template file's ranks must lie below topk
+            size = len(self.build_template(num_speculative_tokens))
+        except ValueError as e:
+            raise option_error("template", str(e)) from None
         if num_speculative_tokens > size:
             raise option_error(
                 "num_speculative_tokens", f"exceeds the {size} nodes of template "
@@ -119,7 +122,6 @@ class RecycleConfig(MethodConfig):
                 num_speculative_tokens)
         if self.table_path is not None and not os.path.isfile(self.table_path):
             raise option_error("table_path", f"no such file {self.table_path!r}")
-
 
     def check_engine(self, vllm_config) -> None:
         """Before the engine starts: the warm-start table's vocabulary is the

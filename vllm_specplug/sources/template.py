@@ -204,13 +204,19 @@ class TreeTemplate:
         """From a preset name or level counts (see :func:`parse_level_counts`);
         a measured preset keeps its paths with ranks below ``k``; a template
         file (``*.json``, as written by ``specplug reader optimize-tree``)
-        gives its shape exactly (``k`` unused)."""
+        gives its shape exactly (a ValueError if it uses a rank >= ``k``)."""
         spec = spec.strip()
         if spec in MEASURED:
             kept = [(p, f) for p, f in MEASURED[spec] if max(p) < k]
             return cls.from_rank_paths([p for p, _ in kept], [f for _, f in kept])
         if spec.endswith(".json"):
-            return load_template_file(spec)
+            template = load_template_file(spec)
+            if template.max_rank >= k:
+                # the drafter reads ranks 0..k-1 only: a higher rank would
+                # index past the top-k row mid-serving
+                raise ValueError(f"template file {spec!r} uses rank {template.max_rank}, "
+                                 f"but topk={k} gives ranks 0..{k - 1}")
+            return template
         return cls.from_level_counts(parse_level_counts(spec), k)
 
     # ------------------------------------------------------------ shape
