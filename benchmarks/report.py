@@ -185,21 +185,62 @@ def markdown(doc: dict) -> str:
     return "\n".join(out)
 
 
+def tau_markdown(doc: dict, ref: str) -> str:
+    """Tau only, each cell beside its ratio to method ``ref``'s tau on the
+    same suite and batch size (the comparison issue-style targets name), a
+    last column with the mean over suites, then whether every output was
+    identical to ``none``."""
+    suites = list(dict.fromkeys(r["suite"] for r in doc["records"]))
+    out = []
+    for b in doc["run"]["batch_sizes"]:
+        recs = {(r["method"], r["suite"]): r for r in doc["records"] if r["batch_size"] == b}
+        methods = [m for m in dict.fromkeys(m for m, _ in recs) if m != "none"]
+        out.append(f"**batch {b}** ({run_mode(doc)}, "
+                   f"k={doc['run']['num_speculative_tokens']}): tau (x {ref})\n")
+        out.append("| method | " + " | ".join(s.split(":")[-1] for s in suites)
+                   + " | mean | identical |")
+        out.append("|---" * (len(suites) + 3) + "|")
+        for m in methods:
+            cells, taus, same = [], [], []
+            for su in suites:
+                r, base = recs.get((m, su)), recs.get((ref, su))
+                t = None if r is None or r["status"] != "ok" else record_tau(r)
+                if t is None:
+                    cells.append("" if r is None else r["status"])
+                    continue
+                taus.append(t)
+                same.append(identical_cell(r))
+                t0 = None if base is None or base["status"] != "ok" else record_tau(base)
+                cells.append(f"{t:.2f}" if m == ref or not t0 else f"{t:.2f} ({t / t0:.2f}x)")
+            ident = "yes" if same and all(x == "yes" for x in same) else ", ".join(
+                sorted(set(same))) or "-"
+            mean = f"{sum(taus) / len(taus):.2f}" if taus else "-"
+            out.append(f"| {m} | " + " | ".join(cells) + f" | {mean} | {ident} |")
+        out.append("")
+    out.append(describe(doc["run"].get("machine") or {}))
+    return "\n".join(out)
+
+
 def run_mode(doc: dict) -> str:
     """``compiled`` or ``eager`` (runs before the field existed were eager)."""
     return "eager" if doc["run"].get("enforce_eager", True) else "compiled"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.report RESULTS.json [--markdown]``: print a saved run."""
+    """``python -m benchmarks.report RESULTS.json [--markdown | --tau-vs METHOD]``: print a saved run."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("results")
     ap.add_argument("--markdown", action="store_true", help="tables for a README")
+    ap.add_argument("--tau-vs", metavar="METHOD", default=None,
+                    help="Markdown table of tau only, with each cell's ratio to METHOD's")
     args = ap.parse_args(argv)
     doc = json.loads(Path(args.results).read_text(encoding="utf-8"))
-    print(markdown(doc) if args.markdown else table(doc))
+    if args.tau_vs:
+        print(tau_markdown(doc, args.tau_vs))
+    else:
+        print(markdown(doc) if args.markdown else table(doc))
     return 0
 
 

@@ -86,3 +86,23 @@ def test_old_records_without_the_fields():
                               "accepted_tokens": None}) == 1.0  # none
     assert report.record_tau({"status": "skipped", "generated_tokens": None}) is None
     assert report.run_mode({"run": {}}) == "eager"
+
+
+def test_tau_table_against_a_reference_method():
+    # Two suites; pld: 120 tokens with 40 accepted (tau 120/80 = 1.50) and
+    # 100 with 50 (tau 2.00); adapld: 120 with 60 (tau 2.00 = 1.33x) and
+    # 100 with 50 (2.00 = 1.00x); mean tau of adapld (2.00 + 2.00) / 2 = 2.00.
+    def rec(method, suite, gen, acc):
+        return {"method": method, "suite": suite, "batch_size": 1, "status": "ok",
+                "generated_tokens": gen, "accepted_tokens": acc, "identical": True,
+                "identical_fraction": 1.0, "token_match_rate": 1.0}
+
+    doc = {"run": {"batch_sizes": [1], "num_speculative_tokens": 8, "enforce_eager": False},
+           "records": [rec("none", "a:x", 120, 0), rec("none", "b:y", 100, 0),
+                       rec("pld", "a:x", 120, 40), rec("pld", "b:y", 100, 50),
+                       rec("adapld", "a:x", 120, 60), rec("adapld", "b:y", 100, 50)]}
+    lines = report.tau_markdown(doc, "pld").splitlines()
+    assert "| x | y | mean | identical |" in lines[2]
+    assert "| pld | 1.50 | 2.00 | 1.75 | yes |" in lines
+    assert "| adapld | 2.00 (1.33x) | 2.00 (1.00x) | 2.00 | yes |" in lines
+    assert not any(line.startswith("| none") for line in lines)
