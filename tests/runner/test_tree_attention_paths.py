@@ -1,6 +1,6 @@
 """Tree-row bookkeeping and the CPU path's attention. The GPU path on the
 FLASH_ATTN/TRITON_ATTN caches is tested in
-tests/triton_kernels/test_runner_gpu_path.py (Triton interpreter)."""
+tests/kernels/test_runner_gpu_path.py (Triton interpreter)."""
 
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_load_other_model_only_warns(tmp_path, caplog):
 
 
 def test_update_matches_kernel_reference():
-    adj = pytest.importorskip("triton_kernels.adjacency")
+    adj = pytest.importorskip("vllm_specplug.kernels.adjacency")
     vocab, k = 500, 8
     tokens, topk = _random_rows(400, vocab, k, seed=7)
     tokens[::17] = -1  # padding entries are skipped by both

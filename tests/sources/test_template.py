@@ -122,7 +122,7 @@ def test_expand_accepts_raw_tensor_and_empty_batch():
 
 
 def test_expand_matches_kernel_reference():
-    adj = pytest.importorskip("triton_kernels.adjacency")
+    adj = pytest.importorskip("vllm_specplug.kernels.adjacency")
     tpl = TreeTemplate.from_spec("default")
     table = _random_table(128, 8, seed=3)
     roots = torch.randint(-1, 129, (16,), generator=torch.Generator().manual_seed(0))
