@@ -96,6 +96,7 @@ def report_has_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+@pytest.mark.slow  # default-suite time budget (30 min)
 @pytest.mark.engine
 @pytest.mark.timeout(600)
 def test_corrupt_hook_is_reported_as_lossy(tmp_path):

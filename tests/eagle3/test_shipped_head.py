@@ -65,6 +65,7 @@ def test_eagle3_without_head_for_unknown_model_is_a_clear_error(tiny_model):
         args.create_engine_config()
 
 
+@pytest.mark.slow  # default-suite time budget (30 min)
 @pytest.mark.engine
 def test_shipped_head_lossless_and_accepting(ref_model):
     prompts = _prompts(ref_model, 8)

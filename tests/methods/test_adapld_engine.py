@@ -14,7 +14,8 @@ pytestmark = pytest.mark.engine
 # budgets 1 and 8 in the default suite (default-suite time); 2 and the
 # paper construction behind slow
 @pytest.mark.parametrize("budget,paper", [
-    (1, False), pytest.param(2, False, marks=pytest.mark.slow), (8, False),
+    pytest.param(1, False, marks=pytest.mark.slow),
+    pytest.param(2, False, marks=pytest.mark.slow), (8, False),
     pytest.param(8, True, marks=pytest.mark.slow)])
 def test_adapld_defaults_any_budget_lossless(ref_model, baseline, budget, paper):  # noqa: F811
     spec = {"method": "adapld", "num_speculative_tokens": budget, "cost_aware": False}

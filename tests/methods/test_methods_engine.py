@@ -54,6 +54,7 @@ def _flush(llm) -> None:
     greedy(llm, [[5, 6, 7]], 1)
 
 
+@pytest.mark.slow  # default-suite time budget (30 min)
 def test_recycle_lossless(ref_model, baseline):
     stats = _check(ref_model, baseline,
                    {"method": "recycle", "num_speculative_tokens": 24})

@@ -63,6 +63,7 @@ def _mean_accepted(model, spec, prompts):
     return out, 1 + c["accepted_tokens"] / c["drafts"]
 
 
+@pytest.mark.slow  # default-suite time budget (30 min)
 def test_pld_chain_matches_builtin_ngram(ref_model, baseline):
     prompts, ref = baseline
     shared = {"num_speculative_tokens": 6, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

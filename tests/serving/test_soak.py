@@ -40,6 +40,7 @@ def _assert_passed(report: dict) -> None:
     assert report["greedy_compared"] > 0
 
 
+@pytest.mark.slow  # default-suite time budget (30 min)
 def test_soak_short(ref_model, tmp_path):
     """One minute of load: pld with trees, 32 workers, aborts."""
     report = soak(ref_model, _spec("pld", ref_model, tmp_path), duration=60,
