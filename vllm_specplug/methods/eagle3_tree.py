@@ -68,11 +68,17 @@ class Eagle3TreeConfig(MethodConfig):
                 os.path.join(self.head, "model.safetensors")):
             raise option_error("head", f"no EAGLE-3 head (model.safetensors) in "
                                        f"{self.head!r}")
-        if self.mode == "static":
-            try:  # a template file's ranks must lie below topk
-                TreeTemplate.from_spec(self.template, min(self.topk, 16))
-            except ValueError as e:
-                raise option_error("template", str(e)) from None
+        try:  # a template file's ranks must lie below topk
+            self.build_template()
+        except ValueError as e:
+            raise option_error("template", str(e)) from None
+
+    def build_template(self) -> TreeTemplate | None:
+        """Static mode's template (ranks below ``topk``, at most 16); None
+        in dynamic mode."""
+        if self.mode != "static":
+            return None
+        return TreeTemplate.from_spec(self.template, min(self.topk, 16))
 
 
 class Eagle3TreeProposer(Proposer):
@@ -103,8 +109,7 @@ class Eagle3TreeProposer(Proposer):
         self.head_dir = head_dir
         self.aux_layers = tuple(hc["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         self.runtime = Eagle3Runtime(head.to(ctx.device), config.prefix_store_tokens)
-        self.template = (TreeTemplate.from_spec(config.template, min(config.topk, 16))
-                         if config.mode == "static" else None)
+        self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
         self._steps = 0
 

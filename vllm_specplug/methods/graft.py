@@ -135,13 +135,16 @@ class GraftConfig(Eagle3TreeConfig):
 
     def check_against(self, num_speculative_tokens: int) -> None:
         super().check_against(num_speculative_tokens)
-        for t in self.templates:
-            try:  # a template file's ranks must lie below adjacency_topk
-                TreeTemplate.from_spec(t, self.adjacency_topk)
-            except ValueError as e:
-                raise option_error("templates", str(e)) from None
+        try:  # a template file's ranks must lie below adjacency_topk
+            self.build_stage_templates()
+        except ValueError as e:
+            raise option_error("templates", str(e)) from None
         if self.table_path is not None and not os.path.isfile(self.table_path):
             raise option_error("table_path", f"no such file {self.table_path!r}")
+
+    def build_stage_templates(self) -> list[TreeTemplate]:
+        """One retrieval template per checkpoint, ranks below ``adjacency_topk``."""
+        return [TreeTemplate.from_spec(t, self.adjacency_topk) for t in self.templates]
 
     def check_engine(self, vllm_config) -> None:
         """Before the engine starts: the warm-start table's vocabulary is the
@@ -168,7 +171,7 @@ class GraftProposer(Eagle3TreeProposer):
         k = config.adjacency_topk
         self.adjacency = AdjacencyDrafter(self._initial_table(config, ctx),
                                           TreeTemplate.from_spec("default", k))
-        self.stage_templates = [TreeTemplate.from_spec(t, k) for t in config.templates]
+        self.stage_templates = config.build_stage_templates()
         n = len(config.checkpoints)
         self.stage_steps = [0] * (n + 1)  # pruned at checkpoint i; last: never pruned
         self.tree_nodes = {"draft": 0, RETRIEVAL: 0}
