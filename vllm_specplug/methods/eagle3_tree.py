@@ -160,9 +160,19 @@ class Eagle3TreeProposer(Proposer):
         s = self.runtime.stats
         return ProposerStats(
             counters={"extended_rows": s.extended_rows, "draft_head_rows": s.head_rows,
+                      "draft_head_passes": s.head_passes,
                       "draft_steps": self._steps, "store_hits": s.store_hits,
                       "store_misses": s.store_misses},
             gauges={"head": os.path.basename(os.path.normpath(self.head_dir)),
                     "extend": self._extend_time.as_ms(), "draft": self._draft_time.as_ms(),
-                    "head_rows_per_step": s.head_rows / max(1, self._steps),
                     "live_requests": len(self.runtime.states)})
+
+    @classmethod
+    def rates(cls, counters: dict[str, int]) -> dict[str, float]:
+        """Head rows and batched head passes per drafting step (a GPU step's
+        drafting latency follows the passes, a CPU's the rows)."""
+        steps = counters.get("draft_steps", 0)
+        if not steps:
+            return {}
+        return {"head_rows_per_step": counters.get("draft_head_rows", 0) / steps,
+                "head_passes_per_step": counters.get("draft_head_passes", 0) / steps}

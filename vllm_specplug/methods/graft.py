@@ -272,9 +272,7 @@ class GraftProposer(Eagle3TreeProposer):
         steps = sum(v for k, v in counters.items() if k.startswith("stage_"))
         out = {f"share_{k[6:]}": v / steps for k, v in counters.items()
                if k.startswith("stage_") and steps}
-        if counters.get("draft_steps"):
-            out["head_rows_per_step"] = counters["draft_head_rows"] / counters["draft_steps"]
-        return out
+        return {**out, **super().rates(counters)}
 
 
 def _log_scores(tree: DraftTree) -> DraftTree:
