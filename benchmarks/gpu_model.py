@@ -117,6 +117,8 @@ def rows(doc: dict, costs: PassCosts) -> list[dict]:
             "tau": t, "head_passes_per_step": passes,
             "head_rows_per_step": rows_ / steps if rows_ is not None and steps else None,
             "proposer_time_share": r.get("proposer_time_share"),
+            "proposer_ms_per_step": (1000 * r["proposer_seconds"] / steps
+                                     if r.get("proposer_seconds") is not None and steps else None),
             "modeled_gpu_speedup": None if t is None else modeled_speedup(t, passes, costs),
         })
     return out
@@ -129,13 +131,13 @@ def markdown(doc: dict, costs: PassCosts) -> str:
     lines = [f"Modeled GPU step: 1 + {costs.r_extend:.3f} (extend pass) + "
              f"passes x {costs.r_draft:.3f} target passes (memory-bound, flat verification)\n",
              "| method | suite | batch | tau | head passes / step | head rows / step "
-             "| proposer share (CPU) | modeled GPU speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| proposer ms / step (CPU) | proposer share (CPU) | modeled GPU speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows(doc, costs):
         lines.append(
             f"| {r['method']} | {r['suite'].split(':')[-1]} | {r['batch_size']} "
             f"| {f(r['tau'], '.2f')} | {f(r['head_passes_per_step'], '.1f')} "
-            f"| {f(r['head_rows_per_step'], '.1f')} "
+            f"| {f(r['head_rows_per_step'], '.1f')} | {f(r['proposer_ms_per_step'], '.1f')} "
             f"| {f(r['proposer_time_share'] and 100 * r['proposer_time_share'], '.0f')}% "
             f"| {f(r['modeled_gpu_speedup'], '.2f')}x |")
     return "\n".join(lines)
