@@ -79,7 +79,7 @@ def pass_costs(head_dir: str | os.PathLike, target_cfg: dict) -> PassCosts:
 def head_passes_per_step(rec: dict, k_default: int) -> float | None:
     """Further head passes per engine step (beyond the extend pass); None for
     methods without a head."""
-    method = rec["method"]
+    method = rec["method"].split("@")[0]  # a variant label: "eagle3_tree@n16"
     if method == "eagle3":
         k = (rec.get("method_options") or {}).get("num_speculative_tokens", k_default)
         return float(k - 1)

@@ -39,7 +39,7 @@ def test_speedups_for_a_tree_a_chain_and_a_headless_method(costs):
          "specplug_stats": {"steps": 10, "method": {"draft_head_passes": 50,
                                                     "draft_head_rows": 300}}},
         # vLLM's chain of 4: the extend pass plus 3 more
-        {"method": "eagle3", "suite": "s", "batch_size": 1, "status": "ok", "tau": 1.8,
+        {"method": "eagle3@k4", "suite": "s", "batch_size": 1, "status": "ok", "tau": 1.8,
          "method_options": {"num_speculative_tokens": 4}},
         {"method": "recycle", "suite": "s", "batch_size": 1, "status": "ok", "tau": 1.5},
     ]
