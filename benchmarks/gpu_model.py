@@ -27,6 +27,7 @@ off the GPU's critical path in this model).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +41,6 @@ class PassCosts:
     """A head pass over verified rows, in target passes (fc + layer + LM head)."""
     r_draft: float
     """A head pass over drafted rows, in target passes (layer + LM head)."""
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def target_params(cfg: dict) -> int:
@@ -69,7 +63,7 @@ def pass_costs(head_dir: str | os.PathLike, target_cfg: dict) -> PassCosts:
         for k in f.keys():
             shape = f.get_slice(k).get_shape()
             if len(shape) == 2:
-                sizes[k] = _numel(shape)
+                sizes[k] = math.prod(shape)
     fc = sum(v for k, v in sizes.items() if k.startswith("fc."))
     body = sum(v for k, v in sizes.items() if not k.startswith(("fc.", "embed_tokens.")))
     t = target_params(target_cfg)

