@@ -101,3 +101,36 @@ def test_sampling_keeps_target_distribution(tiny_model, tmp_path):
     for pos in (1, 2):
         p = _homogeneous([s[pos] for s in plain], [s[pos] for s in tree])
         assert p > 1e-3, (pos, p)
+
+
+def test_a_request_near_max_model_len_does_not_stop_the_others_drafting(tiny_model, tmp_path):
+    """vLLM drafts for no request once the batch's longest sequence is
+    within num_speculative_tokens of max_model_len. The runner cuts each
+    request's tree to its own room instead, so a request drafts (and is
+    accepted) the same alone as beside a long one, and the long one drafts
+    right up to the limit, losslessly."""
+    rng = random.Random(3)
+    long = [rng.randrange(3, 500) for _ in range(118)]
+    short = [rng.randrange(3, 500) for _ in range(9)]
+    max_len, new = 128, 9  # the long request ends at 127 tokens
+    with engine(tiny_model, max_model_len=max_len) as llm:
+        plain = greedy(llm, [long, short], new)
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps([p + o for p, o in zip([long, short], plain)]))
+
+    def accepted(llm, prompts):
+        before = llm.collective_rpc("specplug_stats")[0]["accepted_tokens"]
+        outs = greedy(llm, prompts, new)
+        return outs, llm.collective_rpc("specplug_stats")[0]["accepted_tokens"] - before
+
+    # trie: the true continuation to depth 5, the same whatever the batch
+    spec = {**_spec(str(ref)), "mode": "trie"}
+    with engine(tiny_model, spec, max_model_len=max_len) as llm:
+        short_alone = accepted(llm, [short])
+        long_alone = accepted(llm, [long])
+        both = accepted(llm, [long, short])
+    assert short_alone[0] == [plain[1]] and long_alone[0] == [plain[0]]
+    assert both[0] == plain
+    # 9 tokens, trees of depth 5: 5 accepted, then the last 2 of 3
+    assert short_alone[1] == long_alone[1] == 7
+    assert both[1] == short_alone[1] + long_alone[1]
