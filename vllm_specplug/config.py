@@ -18,6 +18,12 @@ from pydantic import BaseModel, ConfigDict
 # engine core and workers (it is pickled with the config).
 ADDITIONAL_CONFIG_KEY = "specplug"
 
+TOOL_KV_CACHE_BYTES = 2 << 30
+"""KV cache of the engines the command-line tools start (head data,
+``graft calibrate``, ``reader tune``). vLLM's CPU default reserves 92% of
+the machine's memory and refuses to start beside any other process; these
+runs need far less."""
+
 _NO_VALUE = object()
 
 

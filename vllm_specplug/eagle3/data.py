@@ -37,6 +37,7 @@ import os
 import time
 from typing import Any, Iterator
 
+from vllm_specplug.config import TOOL_KV_CACHE_BYTES
 from vllm_specplug.corpus import chat_ids, run_target
 from vllm_specplug.eagle3 import target_config
 
@@ -68,9 +69,6 @@ def load_manifest(data_dir: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 
-# vLLM's CPU default reserves 92% of the machine's memory for the KV cache and
-# refuses to start beside other processes; generation needs far less
-_GEN_KV_CACHE_BYTES = 2 << 30
 
 
 def _generate_chunks(target: str, prompts: list[dict[str, Any]], out_dir: str,
@@ -80,7 +78,7 @@ def _generate_chunks(target: str, prompts: list[dict[str, Any]], out_dir: str,
 
     llm = LLM(model=target, dtype=opts["gen_dtype"], seed=opts["seed"],
               max_model_len=opts["max_prompt_tokens"] + opts["max_new_tokens"] + 16,
-              enforce_eager=True, disable_log_stats=True, kv_cache_memory_bytes=_GEN_KV_CACHE_BYTES)
+              enforce_eager=True, disable_log_stats=True, kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=opts["temperature"], top_p=opts["top_p"],
                             max_tokens=opts["max_new_tokens"], seed=opts["seed"])

@@ -198,6 +198,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_specplug.config import TOOL_KV_CACHE_BYTES
     from vllm_specplug.eagle3 import default_head_for
     from vllm_specplug.methods.graft import GraftConfig
     from vllm_specplug.models.reference import reference_model_path
@@ -212,6 +213,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     n = args.num_speculative_tokens
     record = os.path.join(tempfile.mkdtemp(prefix="specplug-graft-"), "record.jsonl")
     llm = LLM(model=model, dtype="float32", seed=0, enable_prefix_caching=False,
+              kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES,
               speculative_config={"method": "graft", "num_speculative_tokens": n,
                                   **opts, "record": record})
     prompts = _prompts(args.prompts, args.limit, llm.get_tokenizer())

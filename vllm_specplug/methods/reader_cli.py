@@ -79,6 +79,7 @@ def measure(model: str, method: str, options: dict, template, prompts: list[list
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from vllm_specplug import registry
+    from vllm_specplug.config import TOOL_KV_CACHE_BYTES
 
     cls = registry.get(method)
     records: list[tuple[str, int, object]] = []
@@ -96,7 +97,8 @@ def measure(model: str, method: str, options: dict, template, prompts: list[list
         spec = {"method": method, "num_speculative_tokens": len(template),
                 "cost_aware": False, **options}
         llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0,
-                  enforce_eager=True, speculative_config=spec)
+                  enforce_eager=True, speculative_config=spec,
+                  kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                            ignore_eos=True), use_tqdm=False)
