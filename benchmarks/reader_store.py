@@ -31,8 +31,10 @@ def _answers(model: str, prompts: list[list[int]], max_tokens: int) -> list[list
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from vllm_specplug.config import TOOL_KV_CACHE_BYTES
+
     llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0, enforce_eager=True,
-              max_num_seqs=16)
+              max_num_seqs=16, kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
     return [list(o.outputs[0].token_ids) for o in outs]

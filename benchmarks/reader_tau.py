@@ -28,6 +28,8 @@ def _run(model: str, label: str, options: dict, prompts: list[list[int]],
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from vllm_specplug.config import TOOL_KV_CACHE_BYTES
+
     from vllm_specplug import registry
 
     method = label.split("@", 1)[0]
@@ -46,7 +48,7 @@ def _run(model: str, label: str, options: dict, prompts: list[list[int]],
     t0 = time.time()
     try:
         llm = LLM(model=model, dtype="float32", max_model_len=2048, seed=0,
-                  enforce_eager=True, max_num_seqs=len(prompts),
+                  enforce_eager=True, max_num_seqs=len(prompts), kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES,
                   speculative_config={"method": method, **options})
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=max_tokens),

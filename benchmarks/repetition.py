@@ -17,7 +17,11 @@ Reading of step 2 used here (the literal one): the match must occur
 entirely inside the input, or entirely inside ``response[:pointer]`` (the
 already-processed prefix; a match may not run past the pointer, and it may
 not straddle the input/response boundary). "Without the prompt" passes an
-empty input, so only the response's own history counts.
+empty input, so only the response's own history counts. READER's third
+ceiling ("with the datastore") also lets a match lie wholly inside one
+document of the long-term store (its tokens as one separator-joined
+sequence: the separator id occurs in no response, so no match spans two
+documents).
 
 Over a data set the metric is pooled: total response tokens / total pointer
 advances (:func:`pooled`), as in the paper's per-data-set table.
@@ -49,9 +53,11 @@ def _encode(seqs: Sequence[Sequence[int]]) -> list[str]:
     return out
 
 
-def advances(prompt: Sequence[int], response: Sequence[int]) -> int:
-    """Number of pointer advances of the metric over ``response``."""
-    inp, resp = _encode([list(prompt), list(response)])
+def advances(prompt: Sequence[int], response: Sequence[int],
+             store: Sequence[int] = ()) -> int:
+    """Number of pointer advances of the metric over ``response`` (matches
+    also inside ``store``, a datastore's separator-joined tokens, if given)."""
+    inp, resp, ext = _encode([list(prompt), list(response), list(store)])
     n = len(resp)
     p = 0
     steps = 0
@@ -62,7 +68,7 @@ def advances(prompt: Sequence[int], response: Sequence[int]) -> int:
         length = 0
         while p + length < n:
             cand = resp[p : p + length + 1]
-            if cand in inp or cand in hist:
+            if cand in inp or cand in hist or cand in ext:
                 length += 1
             else:
                 break
@@ -78,11 +84,14 @@ def self_repetition(prompt: Sequence[int], response: Sequence[int]) -> float | N
     return len(response) / advances(prompt, response)
 
 
-def pooled(pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict:
+def pooled(pairs: Iterable[tuple[Sequence[int], Sequence[int]]],
+           store: Sequence[int] | None = None) -> dict:
     """Pooled metric over ``(prompt, response)`` pairs, with and without the
     prompt: ``{"with_prompt", "without_prompt", "response_tokens",
-    "advances_with_prompt", "advances_without_prompt", "num_outputs"}``."""
-    tokens = adv_with = adv_without = count = 0
+    "advances_with_prompt", "advances_without_prompt", "num_outputs"}``, and
+    with a ``store`` also ``"with_datastore"`` (prompt + history + store)."""
+    store = None if store is None else [int(t) for t in store]
+    tokens = adv_with = adv_without = adv_store = count = 0
     for prompt, response in pairs:
         if not response:
             continue
@@ -90,7 +99,9 @@ def pooled(pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict:
         tokens += len(response)
         adv_with += advances(prompt, response)
         adv_without += advances((), response)
-    return {
+        if store is not None:
+            adv_store += advances(prompt, response, store)
+    out = {
         "with_prompt": tokens / adv_with if adv_with else None,
         "without_prompt": tokens / adv_without if adv_without else None,
         "response_tokens": tokens,
@@ -98,3 +109,6 @@ def pooled(pairs: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict:
         "advances_without_prompt": adv_without,
         "num_outputs": count,
     }
+    if store is not None:
+        out["with_datastore"] = tokens / adv_store if adv_store else None
+    return out

@@ -176,9 +176,13 @@ def markdown(doc: dict) -> str:
             out.append(f"| {m} | " + " | ".join(cells) + f" | {ident} |")
         ceil = {c["suite"]: c for c in doc.get("ceilings", []) if c["batch_size"] == b}
         if ceil:
-            out.append("| *ceiling* (self-repetition, without / with prompt) | " + " | ".join(
+            ds = any("self_repetition_with_datastore" in c for c in ceil.values())
+            out.append("| *ceiling* (self-repetition, without / with prompt"
+                       + (" / with prompt + datastore" if ds else "") + ") | " + " | ".join(
                 f"{_fmt(ceil[su]['self_repetition'], '.2f')} / "
                 f"{_fmt(ceil[su]['self_repetition_with_prompt'], '.2f')}"
+                + (f" / {_fmt(ceil[su].get('self_repetition_with_datastore'), '.2f')}"
+                   if ds else "")
                 if su in ceil else "" for su in suites) + " | |")
         out.append("")
     out.append(describe(doc["run"].get("machine") or {}))

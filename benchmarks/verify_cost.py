@@ -31,12 +31,14 @@ def _measure(model: str, dtype: str, batch: int, size: int, steps: int,
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    from vllm_specplug.config import TOOL_KV_CACHE_BYTES
+
     spec = None
     if size:
         spec = {"method": "oracle", "mode": "noise", "num_speculative_tokens": size,
                 "tree_size": size}
     llm = LLM(model=model, dtype=dtype, max_model_len=512, enforce_eager=eager, seed=0,
-              speculative_config=spec, max_num_seqs=max(batch, 1),
+              speculative_config=spec, max_num_seqs=max(batch, 1), kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES,
               max_num_batched_tokens=max(2048, batch * (size + 1) + 256))
     prompts = [TokensPrompt(prompt_token_ids=[(17 * i + 7 * j) % 4000 + 100
                                               for j in range(100)]) for i in range(batch)]

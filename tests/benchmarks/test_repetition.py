@@ -80,3 +80,55 @@ def test_pooled_is_ratio_of_sums():
     assert out["advances_without_prompt"] == 3 + 2
     assert out["without_prompt"] == 1.0
     assert out["num_outputs"] == 2
+
+
+SEP = 99  # the store's document separator (an id no response holds)
+
+
+def brute_advances_store(prompt, response, docs):
+    """The paper's steps with the datastore's documents as further sources."""
+    def occurs(needle, hay):
+        n = len(needle)
+        return any(hay[i:i + n] == needle for i in range(len(hay) - n + 1))
+
+    p = steps = 0
+    while p < len(response):
+        length = 0
+        for L in range(1, len(response) - p + 1):
+            cand = response[p:p + L]
+            if any(occurs(cand, h) for h in (prompt, response[:p], *docs)):
+                length = L
+            else:
+                break
+        p += length or 1
+        steps += 1
+    return steps
+
+
+def joined(docs):
+    out = []
+    for d in docs:
+        out += [*d, SEP]
+    return out
+
+
+def test_datastore_ceiling_by_hand():
+    # "1 2 3 4" is one store document: one advance; the prompt alone has none.
+    assert advances([], [1, 2, 3, 4], joined([[0, 1, 2, 3, 4]])) == 1
+    # "2 3" exists only across two documents: no match spans the separator.
+    assert advances([], [2, 3], joined([[1, 2], [3, 4]])) == 2
+    out = pooled([([], [1, 2, 3, 4])], joined([[1, 2, 3, 4]]))
+    assert out["with_datastore"] == 4.0 and out["with_prompt"] == 1.0
+    assert "with_datastore" not in pooled([([], [1, 2])])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_datastore_ceiling_matches_brute_force(seed):
+    import random
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4) for _ in range(rng.randrange(0, 20))]
+    response = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+    docs = [[rng.randrange(4) for _ in range(rng.randrange(1, 15))]
+            for _ in range(rng.randrange(1, 4))]
+    assert advances(prompt, response, joined(docs)) == brute_advances_store(prompt, response, docs)
