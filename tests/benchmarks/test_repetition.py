@@ -7,8 +7,9 @@ import pytest
 from benchmarks.repetition import advances, pooled, self_repetition
 
 
-def brute_advances(prompt, response):
-    """Straight transcription of the paper's three steps."""
+def brute_advances(prompt, response, docs=()):
+    """Straight transcription of the paper's three steps (``docs``: the
+    datastore's documents, further places a match may lie wholly inside)."""
     def occurs(needle, hay):
         n = len(needle)
         return any(hay[i:i + n] == needle for i in range(len(hay) - n + 1))
@@ -18,7 +19,7 @@ def brute_advances(prompt, response):
         length = 0
         for L in range(1, len(response) - p + 1):
             cand = response[p:p + L]
-            if occurs(cand, prompt) or occurs(cand, response[:p]):
+            if any(occurs(cand, h) for h in (prompt, response[:p], *docs)):
                 length = L
             else:
                 break
@@ -85,26 +86,6 @@ def test_pooled_is_ratio_of_sums():
 SEP = 99  # the store's document separator (an id no response holds)
 
 
-def brute_advances_store(prompt, response, docs):
-    """The paper's steps with the datastore's documents as further sources."""
-    def occurs(needle, hay):
-        n = len(needle)
-        return any(hay[i:i + n] == needle for i in range(len(hay) - n + 1))
-
-    p = steps = 0
-    while p < len(response):
-        length = 0
-        for L in range(1, len(response) - p + 1):
-            cand = response[p:p + L]
-            if any(occurs(cand, h) for h in (prompt, response[:p], *docs)):
-                length = L
-            else:
-                break
-        p += length or 1
-        steps += 1
-    return steps
-
-
 def joined(docs):
     out = []
     for d in docs:
@@ -131,4 +112,4 @@ def test_datastore_ceiling_matches_brute_force(seed):
     response = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
     docs = [[rng.randrange(4) for _ in range(rng.randrange(1, 15))]
             for _ in range(rng.randrange(1, 4))]
-    assert advances(prompt, response, joined(docs)) == brute_advances_store(prompt, response, docs)
+    assert advances(prompt, response, joined(docs)) == brute_advances(prompt, response, docs)
