@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import engine, greedy, run_isolated
+from tests.methods.sampling import check_sampling_keeps_distribution
 
 pytestmark = pytest.mark.engine
 
@@ -144,36 +145,7 @@ def test_topk1_drafts_equal_vllm_eagle3(ref_model, baseline):
     assert d_t == d_v[: len(d_t)], (d_t, d_v)
 
 
-def _sample(llm, prompt, n, seed0, max_tokens=3):
-    from vllm import SamplingParams, TokensPrompt
-
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed0 + i,
-                             ignore_eos=True) for i in range(n)]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.mark.slow
 def test_sampling_keeps_target_distribution(ref_model, baseline):
-    from tests.runner.test_tree_engine_features import _homogeneous
-
-    from transformers import AutoTokenizer
-
-    from vllm_specplug.corpus import chat_ids
-
-    prompt = chat_ids(AutoTokenizer.from_pretrained(ref_model), "Count from 1 to 10.")
-    n = 600
-    # whole prompts per step: vLLM 0.32's CPU runner crashes when it discards
-    # a seeded request's partial-prefill sample ("CPU Generator does not use
-    # offset"), so no prompt may be split across steps
-    opts = dict(max_model_len=1024, max_num_seqs=4096 // (len(prompt) + 16))
-    with engine(ref_model, **opts) as llm:
-        plain = _sample(llm, prompt, n, 0)
     spec = {"method": "eagle3_tree", "num_speculative_tokens": 8, "depth": 3, "topk": 4}
-    with engine(ref_model, spec, **opts) as llm:
-        tree = _sample(llm, prompt, n, 10_000)
-        stats = llm.collective_rpc("specplug_stats")[0]
-    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
-    for pos in (0, 1, 2):
-        p = _homogeneous([s[pos] for s in plain], [s[pos] for s in tree])
-        assert p > 1e-3, (pos, p)
+    check_sampling_keeps_distribution(ref_model, spec, "Count from 1 to 10.")

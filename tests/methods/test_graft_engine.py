@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import engine, greedy
-from tests.methods.test_eagle3_tree_engine import MAX_TOKENS, PREAMBLE, _prompts, _sample
+from tests.methods.sampling import check_sampling_keeps_distribution
+from tests.methods.test_eagle3_tree_engine import MAX_TOKENS, PREAMBLE, _prompts
 
 pytestmark = pytest.mark.engine
 
@@ -51,24 +52,8 @@ def test_lossless_under_preemption(ref_model, baseline):
 
 @pytest.mark.slow
 def test_sampling_keeps_target_distribution(ref_model):
-    from transformers import AutoTokenizer
-
-    from tests.runner.test_tree_engine_features import _homogeneous
-    from vllm_specplug.corpus import chat_ids
-
-    prompt = chat_ids(AutoTokenizer.from_pretrained(ref_model), "Count from 1 to 10.")
-    n = 600
-    opts = dict(max_model_len=1024, max_num_seqs=4096 // (len(prompt) + 16))
-    with engine(ref_model, **opts) as llm:
-        plain = _sample(llm, prompt, n, 0)
     spec = {**SPEC, "num_speculative_tokens": 8, "depth": 3, "topk": 4,
             "checkpoints": [0, 1]}
     spec["thresholds"], spec["draft_nodes"] = [0.3, 0.3], [8, 24]
     spec["templates"] = ["graft_d0", "graft_d1"]
-    with engine(ref_model, spec, **opts) as llm:
-        tree = _sample(llm, prompt, n, 10_000)
-        stats = llm.collective_rpc("specplug_stats")[0]
-    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
-    for pos in (0, 1, 2):
-        p = _homogeneous([s[pos] for s in plain], [s[pos] for s in tree])
-        assert p > 1e-3, (pos, p)
+    check_sampling_keeps_distribution(ref_model, spec, "Count from 1 to 10.")

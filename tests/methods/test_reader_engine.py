@@ -11,6 +11,7 @@ import json
 import pytest
 
 from tests.conftest import engine, greedy
+from tests.methods.sampling import check_sampling_keeps_distribution
 from tests.methods.test_eagle3_tree_engine import PREAMBLE, _prompts
 
 pytestmark = pytest.mark.engine
@@ -65,3 +66,11 @@ def test_lossless_under_preemption(ref_model, baseline, store):
         assert greedy(llm, prompts, MAX_TOKENS) == ref
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_sampling_keeps_target_distribution(ref_model, store):
+    spec = {**SPEC, "datastore": store, "num_speculative_tokens": 10, "depth": 3, "topk": 4,
+            "d_search": 4, "d_deep": 2}
+    stats = check_sampling_keeps_distribution(ref_model, spec, "Count from 1 to 10.")
+    assert stats["method"]["search_paths"] > 0, stats["method"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import engine, greedy
+from tests.methods.sampling import check_sampling_keeps_distribution
 
 pytestmark = pytest.mark.engine
 
@@ -123,3 +124,13 @@ def test_relaxed_tokens_satisfy_eq6_eq7_and_lookahead(ref_model, baseline):
                 r2 = logp[n + j + q]
                 assert float(r2.max() - r2[u]) < 1e-4, (j, q)
     assert relaxed_seen > 0
+
+
+@pytest.mark.slow
+def test_sampling_keeps_target_distribution(ref_model):
+    # A prompt whose answer repeats it, so the retrieval trigger has keys
+    # to look up (the assertion below only requires the head's trees).
+    spec = {**SPEC, "num_speculative_tokens": 8, "depth": 3, "topk": 4}
+    stats = check_sampling_keeps_distribution(
+        ref_model, spec, "Repeat this line three times: the cat sat on the mat.", max_tokens=6)
+    assert stats["method"]["fallback"] > 0, stats["method"]
