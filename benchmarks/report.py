@@ -174,19 +174,27 @@ def markdown(doc: dict) -> str:
             ident = "yes" if same and all(x == "yes" for x in same) else ", ".join(
                 sorted(set(same))) or "-"
             out.append(f"| {m} | " + " | ".join(cells) + f" | {ident} |")
-        ceil = {c["suite"]: c for c in doc.get("ceilings", []) if c["batch_size"] == b}
-        if ceil:
-            ds = any("self_repetition_with_datastore" in c for c in ceil.values())
-            out.append("| *ceiling* (self-repetition, without / with prompt"
-                       + (" / with prompt + datastore" if ds else "") + ") | " + " | ".join(
+        out += ceiling_row(doc, b, suites, " | |")
+        out.append("")
+    out.append(describe(doc["run"].get("machine") or {}))
+    return "\n".join(out)
+
+
+def ceiling_row(doc: dict, batch: int, suites: list[str], tail: str) -> list[str]:
+    """The self-repetition ceilings of ``batch`` as one Markdown row (none
+    without ceilings): without / with the prompt, and with a datastore when
+    the run had ``--ceiling-datastore``."""
+    ceil = {c["suite"]: c for c in doc.get("ceilings", []) if c["batch_size"] == batch}
+    if not ceil:
+        return []
+    ds = any("self_repetition_with_datastore" in c for c in ceil.values())
+    return ["| *ceiling* (self-repetition, without / with prompt"
+            + (" / with prompt + datastore" if ds else "") + ") | " + " | ".join(
                 f"{_fmt(ceil[su]['self_repetition'], '.2f')} / "
                 f"{_fmt(ceil[su]['self_repetition_with_prompt'], '.2f')}"
                 + (f" / {_fmt(ceil[su].get('self_repetition_with_datastore'), '.2f')}"
                    if ds else "")
-                if su in ceil else "" for su in suites) + " | |")
-        out.append("")
-    out.append(describe(doc["run"].get("machine") or {}))
-    return "\n".join(out)
+                if su in ceil else "" for su in suites) + tail]
 
 
 def tau_markdown(doc: dict, ref: str) -> str:
@@ -220,6 +228,7 @@ def tau_markdown(doc: dict, ref: str) -> str:
                 sorted(set(same))) or "-"
             mean = f"{sum(taus) / len(taus):.2f}" if taus else "-"
             out.append(f"| {m} | " + " | ".join(cells) + f" | {mean} | {ident} |")
+        out += ceiling_row(doc, b, suites, " | | |")
         out.append("")
     out.append(describe(doc["run"].get("machine") or {}))
     return "\n".join(out)
