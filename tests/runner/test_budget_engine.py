@@ -22,10 +22,13 @@ def test_noise_trees_are_cut_to_nothing(ref_model):
     assert b["steps"] > 40
     assert b["proposed_nodes"] >= 8 * b["steps"] - 16
     # after the first steps (no step time known yet, the prior acceptance of
-    # 0.3 being unlearned) it verifies a small share of what is proposed: at
-    # most a node where an extra row is nearly free on this CPU (a fresh-clone
-    # CI run kept 57 of 768 nodes, 6 of 48 steps at zero)
-    assert b["chosen_nodes"] <= 0.15 * b["proposed_nodes"], b
+    # 0.3 being unlearned) it verifies a small share of what is proposed: a
+    # node or two where an extra row is nearly free on this CPU. How many
+    # depends on the CPU's step-time curve: an Intel Xeon (AVX-512) fresh-clone
+    # CI run kept 57 of 768 nodes; an AMD EPYC kept 143 and 214 of 768 in two
+    # quiet runs (rows are cheaper there), so the bound is 35%, not the 15%
+    # fitted on the Xeon. The accepted-token bound below is the machine-free one.
+    assert b["chosen_nodes"] <= 0.35 * b["proposed_nodes"], b
     assert b["realised_accepted"] <= 2
 
 
