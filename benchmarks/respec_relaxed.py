@@ -43,7 +43,7 @@ def table(doc: dict) -> list[dict]:
             continue
         o = options[r["method"]]
         rows.append({"method": r["method"], "suite": r["suite"], "batch_size": r["batch_size"],
-                     "relaxed": bool(o.get("relaxed_lossy")),
+                     "relaxed": run.lossy_by_option(o),
                      "tau_nats": o.get("relaxed_tau_nats"), "m": o.get("relaxed_m"),
                      "tau": r["tau"], "token_match_rate": r["token_match_rate"],
                      "identical_fraction": r["identical_fraction"]})
