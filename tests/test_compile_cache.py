@@ -75,3 +75,22 @@ def test_reference_model_second_start_under_30s(ref_model, tmp_path):
     assert second["tokens"] == first["tokens"] == other["tokens"]
     assert second["seconds"] < 30, second
     assert other["compiles"] == 1  # its own cache entry (kernels reused)
+
+
+def test_option_changes_share_the_compiled_model(tiny_model, tmp_path):
+    """A specplug method's options do not change the target's graph, so
+    another tree size or option value loads the model the first start
+    compiled (``plugin._hash_graph_not_options``); a method that captures
+    hidden layers (``adapld``) changes the graph and gets its own entry."""
+    root = str(tmp_path / "vllm_cache")
+    first = run_isolated(_start, tiny_model,
+                         {"method": "pld", "num_speculative_tokens": 4}, root)
+    options = run_isolated(_start, tiny_model,
+                           {"method": "recycle", "num_speculative_tokens": 8,
+                            "cost_aware": False}, root)
+    assert first["compiles"] == 1 and first["loaded"] == 0, first
+    assert options["loaded"] == 1 and options["compiles"] == 0, options
+    assert options["tokens"] == first["tokens"]  # both lossless
+    captured = run_isolated(_start, tiny_model,
+                            {"method": "adapld", "num_speculative_tokens": 4}, root)
+    assert captured["compiles"] == 1 and captured["loaded"] == 0, captured

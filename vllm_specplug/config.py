@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict
 # engine core and workers (it is pickled with the config).
 ADDITIONAL_CONFIG_KEY = "specplug"
 
+# Under that entry, where the runner records what of the method shapes the
+# target's compiled graph (``plugin._hash_graph_not_options``).
+GRAPH_KEY = "target_graph"
+
 TOOL_KV_CACHE_BYTES = 2 << 30
 """KV cache of the engines the command-line tools start (head data,
 ``graft calibrate``, ``reader tune``). vLLM's CPU default reserves 92% of

@@ -19,7 +19,7 @@ import logging
 import os
 
 from vllm_specplug import registry
-from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
+from vllm_specplug.config import ADDITIONAL_CONFIG_KEY, GRAPH_KEY
 
 # A child of vLLM's logger, so the line shows with vLLM's own start-up log.
 logger = logging.getLogger("vllm.specplug")
@@ -36,6 +36,7 @@ def register() -> None:
 
     _guard_kernel_rebind()
     _fix_compile_cache()
+    _hash_graph_not_options()
     _refuse_relaxed_unsupported_requests()
     if getattr(EngineArgs.create_engine_config, "_specplug", False):
         return
@@ -306,6 +307,41 @@ def _fix_compile_cache() -> None:
 
     _try_load_aot_compiled_fn._specplug = True
     decorators._try_load_aot_compiled_fn = _try_load_aot_compiled_fn
+
+
+def _hash_graph_not_options() -> None:
+    """Let every specplug configuration of one target share its compiled model.
+
+    vLLM keys its compile cache by ``VllmConfig.compute_hash()``, which
+    hashes ``additional_config`` whole, so each method and each option value
+    (a tree size, a threshold) was a cache miss: 70-180 s of compiling on a
+    2-core CPU per new configuration, a whole hour for a 22-point option
+    sweep. The method changes the target's graph in one way only: the
+    hidden-state layers it asks the model to return. The runner records them
+    under ``GRAPH_KEY`` when it installs the capture (before the first
+    forward compiles); from then on the hash sees those layers instead of
+    the method and its options. Until they are recorded the whole entry is
+    hashed, as vLLM does: a miss, never a wrong load.
+    """
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.compute_hash
+    if getattr(original, "_specplug", False):
+        return
+
+    def compute_hash(self, *args, **kwargs):
+        extra = self.additional_config
+        spec = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+        if not (isinstance(spec, dict) and GRAPH_KEY in spec):
+            return original(self, *args, **kwargs)
+        self.additional_config = {**extra, ADDITIONAL_CONFIG_KEY: {GRAPH_KEY: spec[GRAPH_KEY]}}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.additional_config = extra
+
+    compute_hash._specplug = True
+    VllmConfig.compute_hash = compute_hash
 
 
 def shared_inductor_cache() -> str:

@@ -35,7 +35,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug import registry
-from vllm_specplug.config import ADDITIONAL_CONFIG_KEY
+from vllm_specplug.config import ADDITIONAL_CONFIG_KEY, GRAPH_KEY
 from vllm_specplug.engine.budget import BudgetController
 from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_budget
 from vllm_specplug.engine.stats import TreeStats
@@ -300,6 +300,10 @@ class SpecplugRunnerMixin:
         if needs.hidden_layer is not None:
             layers.append(needs.hidden_layer + 1)
         self._sp_aux_index: dict[int, int] = {}
+        # What of the method shapes the compiled graph: the compile cache is
+        # keyed by it, not by the method's options (plugin._hash_graph_not_options).
+        self.vllm_config.additional_config[ADDITIONAL_CONFIG_KEY][GRAPH_KEY] = {
+            "aux_layers": sorted(set(layers))}
         if not layers:
             return
         n = self.model_config.get_total_num_hidden_layers()
