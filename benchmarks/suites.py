@@ -4,7 +4,7 @@ A suite is a named list of user messages (first turn only). Built-in suites:
 
 ``specbench``
     Spec-Bench's 480 questions (``<shared>/data/spec_bench/question.jsonl``;
-    ``<shared>`` is ``$SPECPLUG_SHARED`` or ``<repo>/../shared``). With
+    ``<shared>``: ``$SPECPLUG_SHARED``, ``<repo>/../shared`` or ``/work/shared``). With
     ``--limit`` the questions are taken round-robin over the six categories
     (see :func:`specbench_category`).
 ``specbench:<category>``
@@ -78,8 +78,13 @@ def specbench_category(row: dict) -> str:
 
 
 def shared_dir() -> Path:
+    """``$SPECPLUG_SHARED``, else ``<repo>/../shared``, else ``/work/shared``
+    (where the project's machines keep it, for a clone made elsewhere)."""
     env = os.environ.get("SPECPLUG_SHARED")
-    return Path(env).expanduser() if env else REPO_ROOT.parent / "shared"
+    if env:
+        return Path(env).expanduser()
+    beside = REPO_ROOT.parent / "shared"
+    return beside if beside.is_dir() or not Path("/work/shared").is_dir() else Path("/work/shared")
 
 
 def _package_dir(module: str, pip_name: str, suite: str) -> Path:

@@ -4,8 +4,6 @@ vLLM's built-in `ngram` at the same settings."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import pytest
 
 from tests.conftest import engine, greedy, run_isolated, spec_counters
@@ -13,15 +11,17 @@ from tests.conftest import engine, greedy, run_isolated, spec_counters
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 48
-SPEC_BENCH = Path(__file__).resolve().parents[3] / "shared/data/spec_bench/question.jsonl"
 
 
 def _prompts(model: str, n: int) -> list[list[int]]:
     """Chat-formatted Spec-Bench summarization/RAG prompts (plenty to copy)."""
     from transformers import AutoTokenizer
 
+    from benchmarks.suites import shared_dir
+
     tok = AutoTokenizer.from_pretrained(model)
-    rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines()]
+    path = shared_dir() / "data/spec_bench/question.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows = [r for r in rows if r["category"] in ("summarization", "rag")]
     out = []
     for r in rows[: n * 3]:

@@ -2,8 +2,10 @@
 
 Every source yields records ``{"id": str, "source": str, "turns": [str, ...]}``:
 
-* ``spec_bench``: Spec-Bench ``question.jsonl`` (``$SPECPLUG_SPEC_BENCH`` or
-  ``/work/shared/data/spec_bench/question.jsonl`` or ``--spec-bench PATH``).
+* ``spec_bench``: Spec-Bench ``question.jsonl`` (``--spec-bench PATH``, or
+  ``$SPECPLUG_SPEC_BENCH``, or ``data/spec_bench/question.jsonl`` under
+  ``$SPECPLUG_SHARED``, the benchmarks' shared folder, or under
+  ``/work/shared``).
   The categories in ``HOLDOUT_CATEGORIES`` (MT-bench's eight and
   ``math_reasoning``) are the evaluation prompts of the quality target and are
   left out by default, so the acceptance measured on them is not on training
@@ -36,11 +38,15 @@ __all__ = ["HOLDOUT_CATEGORIES", "collect_prompts", "parse_sources", "spec_bench
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
                        "stem", "humanities")
 HOLDOUT_CATEGORIES = MT_BENCH_CATEGORIES + ("math_reasoning",)
-_DEFAULT_SPEC_BENCH = "/work/shared/data/spec_bench/question.jsonl"
+_SPEC_BENCH_IN_SHARED = "data/spec_bench/question.jsonl"
+_DEFAULT_SHARED = "/work/shared"
 
 
 def spec_bench_path(path: str | None = None) -> str | None:
-    for p in (path, os.environ.get("SPECPLUG_SPEC_BENCH"), _DEFAULT_SPEC_BENCH):
+    shared = os.environ.get("SPECPLUG_SHARED")
+    for p in (path, os.environ.get("SPECPLUG_SPEC_BENCH"),
+              shared and os.path.join(os.path.expanduser(shared), _SPEC_BENCH_IN_SHARED),
+              os.path.join(_DEFAULT_SHARED, _SPEC_BENCH_IN_SHARED)):
         if p and os.path.exists(p):
             return p
     return None
