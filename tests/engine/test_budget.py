@@ -164,3 +164,61 @@ def test_a_step_without_decoding_requests_keeps_its_trees():
     cut, choice = ctl.choose(["a", "b"], [None, None], [5, 7], rows=0)
     assert cut == [None, None] and choice.sizes == [0, 0]
     assert cost(0) > 0
+
+
+def _one_node_controller(p: float, draft_ms: float) -> BudgetController:
+    """One request, flat step cost (100 ms at 1 or 2 rows), a one-node tree
+    accepted with probability ``p`` (lots of evidence), drafting that adds
+    ``draft_ms`` to the proposer's time."""
+    model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
+    model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
+    cost = StepCost()
+    cost.observe(1, 0.100)
+    cost.observe(2, 0.100)
+    ctl = BudgetController(model, cost)
+    ctl.observe_propose(0.001 + draft_ms / 1e3, drafted=True)
+    ctl.observe_propose(0.001, drafted=False)
+    return ctl
+
+
+def test_gate_closes_when_drafting_does_not_pay_for_itself():
+    # plain: 1 token / 100 ms. The node is worth verifying once drafted
+    # (1.05 tokens / 100 ms) but not worth drafting at 50 ms:
+    # 1.05 / 150 ms < 1 / 100 ms.
+    ctl = _one_node_controller(0.05, 50.0)
+    assert ctl.gate.draft_seconds == pytest.approx(0.050)
+    assert ctl.draft_now()
+    _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert choice.sizes == [1]  # drafting is sunk: the node is verified
+    # closed: skip 2 steps, explore once, then (still not paying) 4, ...
+    seen = [ctl.draft_now() for _ in range(3)]
+    assert seen == [False, False, True]
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    seen = [ctl.draft_now() for _ in range(5)]
+    assert seen == [False] * 4 + [True]
+    assert ctl.stats.gated_steps == 6
+
+
+def test_gate_stays_open_when_drafting_pays_and_reopens():
+    # 1.9 tokens / 150 ms > 1 / 100 ms: drafting pays even at 50 ms
+    ctl = _one_node_controller(0.9, 50.0)
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert all(ctl.draft_now() for _ in range(10))
+    # the same controller after a bad spell: closed, then an exploring
+    # step whose tree pays opens it again
+    ctl.gate.judge(False)
+    assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert all(ctl.draft_now() for _ in range(10))
+
+
+def test_gate_without_drafting_cost_is_the_cut():
+    # free drafting: the gate closes only when the best cut is empty
+    ctl = _one_node_controller(0.05, 0.0)
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert ctl.draft_now()
+    for _ in range(8):  # now a row costs nearly a plain step: nothing pays
+        ctl.cost.observe(2, 0.200)
+    _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert choice.sizes == [0]
+    assert not ctl.draft_now()

@@ -29,6 +29,15 @@ measured yet the curve is extrapolated optimistically (flat above the
 largest measured point, proportional below the smallest), so the controller
 tries sizes it does not know yet and learns their cost instead of never
 leaving the sizes it has seen.
+
+Drafting itself costs time (a head's forward passes, a retrieval), paid
+before the cut. The controller also measures the proposer's time per step,
+drafting and not drafting, and closes a *gate* when the best cut of the
+last drafted step would not have paid for the drafting on top of its rows:
+the runner then asks the method for no draft (every request's budget 0;
+methods still extend their state). A closed gate is reopened for one
+exploring step after 2, 4, ... up to ``max_skip`` steps, so the acceptance
+estimates stay fresh and the gate opens again when drafts start to pay.
 """
 
 from __future__ import annotations
@@ -249,16 +258,67 @@ class BudgetStats:
     realised_accepted: int = 0
     zero_steps: int = 0
     """Steps where every request was cut to nothing (plain decoding)."""
+    gated_steps: int = 0
+    """Steps the gate asked the method for no draft at all (drafting would
+    not have paid for its own time)."""
     size_hist: dict[int, int] = field(default_factory=dict)
+
+
+class DraftGate:
+    """Whether the next step should draft at all (see the module docstring)."""
+
+    def __init__(self, alpha: float = 0.2, max_skip: int = 32) -> None:
+        self.alpha = alpha
+        self.max_skip = max_skip
+        self.propose_seconds: dict[bool, float | None] = {True: None, False: None}
+        """Proposer time per step (EMA), drafting / not drafting."""
+        self.open = True
+        self._skip = 0  # steps to skip before the next exploring step
+        self._backoff = 1
+
+    def observe_propose(self, seconds: float, drafted: bool) -> None:
+        old = self.propose_seconds[drafted]
+        self.propose_seconds[drafted] = (
+            seconds if old is None else old + self.alpha * (seconds - old))
+
+    @property
+    def draft_seconds(self) -> float:
+        """What drafting adds to a step: proposer time drafting minus not
+        drafting (all of it until a non-drafting step was measured)."""
+        on, off = self.propose_seconds[True], self.propose_seconds[False]
+        if on is None:
+            return 0.0
+        return max(0.0, on - (off or 0.0))
+
+    def judge(self, pays: bool) -> None:
+        """After a drafted step: did its best cut pay for the drafting?"""
+        if pays:
+            self.open, self._backoff = True, 1
+        else:
+            self.open = False
+            self._backoff = min(2 * self._backoff, self.max_skip)
+            self._skip = self._backoff
+
+    def draft_now(self) -> bool:
+        """Ask the method for drafts this step? (exploring once a closed
+        gate has skipped its steps)"""
+        if self.open:
+            return True
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        return True  # explore: judge() decides again after this step
 
 
 class BudgetController:
     """Chooses each step's tree size per request (see the module docstring)."""
 
     def __init__(self, acceptance: AcceptanceModel | None = None,
-                 cost: StepCost | None = None, max_pending: int = 16) -> None:
+                 cost: StepCost | None = None, max_pending: int = 16,
+                 gate: DraftGate | None = None) -> None:
         self.acceptance = acceptance or AcceptanceModel()
         self.cost = cost or StepCost()
+        self.gate = gate or DraftGate()
         self.max_pending = max_pending
         self._pending: dict[str, list[tuple[int, DraftTree]]] = {}
         self._expected: dict[str, float] = {}
@@ -292,6 +352,17 @@ class BudgetController:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.cost.observe(rows, seconds)
+
+    def draft_now(self) -> bool:
+        """Whether the runner should ask the method for drafts this step."""
+        ok = self.gate.draft_now()
+        if not ok:
+            self.stats.gated_steps += 1
+        return ok
+
+    def observe_propose(self, seconds: float, drafted: bool) -> None:
+        """The proposer's time this step, and whether it was asked to draft."""
+        self.gate.observe_propose(seconds, drafted)
 
     # -------------------------------------------------------------- choosing
     def choose(self, req_ids: list[str], trees: list[DraftTree | None],
@@ -328,6 +399,11 @@ class BudgetController:
                 best_k, best_rate = k, rate
         for j, i in order[:best_k]:
             keep[j][i] = True
+        if self.cost.known and rows > 0 and cand:
+            # would this step's best cut have paid for the drafting as well?
+            best_gain = rows + sum(-c[0] for c in cand[:best_k])
+            with_draft = best_gain / (self.cost(rows + best_k) + self.gate.draft_seconds)
+            self.gate.judge(best_k > 0 and with_draft > plain)
         out: list[DraftTree | None] = []
         sizes, expected = [], []
         for j, (rid, tree) in enumerate(zip(req_ids, trees)):
@@ -363,5 +439,6 @@ class BudgetController:
         d = dict(self.stats.__dict__)
         d["size_hist"] = dict(self.stats.size_hist)
         d["step_ms_by_rows"] = self.cost.as_dict()
+        d["draft_ms"] = round(1e3 * self.gate.draft_seconds, 3)
         d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
         return d

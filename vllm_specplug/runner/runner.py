@@ -673,6 +673,9 @@ class SpecplugRunnerMixin:
         state = self._sp_state
         batch: list[StepRequest] = []
         scheduled = scheduler_output.scheduled_spec_decode_tokens
+        # the budget's gate: no draft at all this step when drafting has
+        # stopped paying for its own time (engine/budget.DraftGate)
+        drafting = self._sp_budget is None or self._sp_budget.draft_now()
         for i, rid in enumerate(self.input_batch.req_ids):
             n_sched = scheduler_output.num_scheduled_tokens[rid]
             c = int(self.input_batch.num_computed_tokens_cpu[i])
@@ -701,7 +704,7 @@ class SpecplugRunnerMixin:
                 budget=draft_budget(
                     self.speculative_config.num_speculative_tokens,
                     scheduler_output.num_spec_tokens_to_schedule,
-                    self.max_model_len, ntok, sampled),
+                    self.max_model_len, ntok, sampled) if drafting else 0,
             )
             if needs.hidden:
                 sreq.hidden = hidden_states[rows]
@@ -722,6 +725,9 @@ class SpecplugRunnerMixin:
         # A method bug must not take the server down (runner/guard.py).
         trees = guard_for(self).propose(self._sp_proposer, batch)
         t2 = time.perf_counter()
+        if self._sp_budget is not None and all_decode:
+            # rank 0's time: every tensor-parallel rank must gate alike
+            self._sp_budget.observe_propose(_tp_rank0_float(t2 - t1), drafting)
         kept: list[DraftTree | None] = []
         for sreq, tree in zip(batch, trees):
             if tree is None or sreq.budget <= 0:
