@@ -322,7 +322,9 @@ class AdaPLDProposer(Proposer):
             mem.update(req.token_ids, req.verified_pos, req.layer_hidden,
                        req.topk_ids, req.topk_probs)
             self._feedback(req)
-            out.append(self._draft(req, mem) if req.sampled else None)
+            # budget 0: the cost-aware gate (or the context's end) asks for
+            # no draft; the memory above is still kept up to date
+            out.append(self._draft(req, mem) if req.sampled and req.budget > 0 else None)
         return out
 
     # -------------------------------------------------------------- drafting

@@ -141,6 +141,14 @@ def _tp_rank0_float(x: float) -> float:
     return float(t[0])
 
 
+def _no_draft_at_all(meta: SpecDecodeMetadata | None, sampling_metadata) -> bool:
+    """A spec-decode step in which no request has a draft token, and no
+    request asks for logprobs (their layout differs between vLLM's two
+    samplers)."""
+    return (meta is not None and meta.max_spec_len == 0
+            and sampling_metadata.max_num_logprobs is None)
+
+
 def root_rows(query_start_loc: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
     """Flat row of each request's root (last verified token): vLLM's
     convention, the first of a request's last ``m+1`` scheduled rows
@@ -458,7 +466,17 @@ class SpecplugRunnerMixin:
             state.logit_rows = np.ones(self.input_batch.num_reqs, dtype=np.int64)
         state.logit_base = np.cumsum(state.logit_rows) - state.logit_rows
         try:
-            if spec_decode_metadata is None or not state.trees:
+            if _no_draft_at_all(spec_decode_metadata, self.input_batch.sampling_metadata):
+                # vLLM runs its rejection sampler whenever speculation is
+                # configured, drafts or not (~4% of a batch-8 step here):
+                # with no draft in the step the plain sampler gives the same
+                # [requests, 1] tokens (the bonus rows are all the logits)
+                out = super()._sample(logits, None)
+                n_reqs = len(spec_decode_metadata.num_draft_tokens)
+                for i in range(n_reqs):
+                    state.accepted_rows[i] = [0]
+                self._sp_stats.record_chains([0] * n_reqs, [1] * n_reqs)
+            elif spec_decode_metadata is None or not state.trees:
                 out = super()._sample(logits, spec_decode_metadata)
                 if spec_decode_metadata is not None:
                     acc = (out.sampled_token_ids != -1).sum(-1).tolist()
