@@ -62,3 +62,43 @@ def test_proposer_feeds_every_request_and_respects_budgets(ref_model):
     assert "a" not in prop.runtime.states
     s = prop.report(prop.stats())
     assert s["extended_rows"] == 114 and s["draft"]["n"] == 1
+
+
+def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
+    """A decoding request asked for no draft (budget 0: the cost-aware gate)
+    costs no head pass; its rows are fed, in order, with the next step that
+    asks for a draft, and the head's state then equals a state fed every
+    step (same K/V rows, same tree)."""
+    embed = torch.randn(49152, 576) * 0.05
+    ctx = _ctx(ref_model, 49152, 576, embed)
+    g = torch.Generator().manual_seed(1)
+    toks = np.arange(200, 260, dtype=np.int64)
+    aux = torch.randn(59, 3 * 576, generator=g)
+    held = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
+    every = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
+
+    def step(prop, pos, n, budget, sampled=True):
+        r = StepRequest(req_id="a", token_ids=toks[:pos + n + 1], num_prompt_tokens=40,
+                        sampled=sampled, verified_pos=pos, aux_hidden=aux[pos:pos + n],
+                        budget=budget)
+        return prop.propose([r])[0]
+
+    for prop, budgets in ((held, [0, 0, 0, 8]), (every, [8, 8, 8, 8])):
+        step(prop, 0, 40, 0, sampled=False)  # the prompt: always fed
+        for k, b in enumerate(budgets):
+            tree = step(prop, 40 + k, 1, b)
+        if prop is held:
+            assert held.runtime.states["a"].n == 44
+    assert every.runtime.states["a"].n == 44
+    a, b = held.runtime.states["a"], every.runtime.states["a"]
+    assert torch.allclose(a.k[:44], b.k[:44], atol=1e-5)
+    assert torch.allclose(a.v[:44], b.v[:44], atol=1e-5)
+    assert held.report(held.stats())["extended_rows"] == 44
+    # while held, the state stays at the prompt
+    prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
+    step(prop, 0, 40, 0, sampled=False)
+    assert step(prop, 40, 1, 0) is None and prop.runtime.states["a"].n == 40
+    # a recomputed row (the target verified position 41 again) replaces the held one
+    step(prop, 41, 1, 0)
+    step(prop, 41, 1, 8)
+    assert prop.runtime.states["a"].n == 42

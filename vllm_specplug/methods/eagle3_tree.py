@@ -112,6 +112,9 @@ class Eagle3TreeProposer(Proposer):
         self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
         self._steps = 0
+        # Verified rows a request has not fed the head yet, as (first
+        # position, [aux chunks]): see extend().
+        self._deferred: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
     def needs(self) -> Needs:
         return Needs(aux_layers=self.aux_layers)
@@ -121,6 +124,7 @@ class Eagle3TreeProposer(Proposer):
 
     def remove_request(self, req_id: str) -> None:
         self.runtime.remove(req_id)
+        self._deferred.pop(req_id, None)
 
     def propose(self, batch: list[StepRequest],
                 drafting: list[bool] | None = None) -> list[DraftTree | None]:
@@ -133,9 +137,38 @@ class Eagle3TreeProposer(Proposer):
     def extend(self, batch: list[StepRequest]) -> None:
         """Every verified row feeds the head's state, whoever drafted (methods
         that compose this drafter call it every step, drafting or not)."""
+        import torch
+
         t0 = time.perf_counter()
-        self.runtime.extend([(r.req_id, r.verified_pos, r.token_ids, r.aux_hidden)
-                             for r in batch if r.aux_hidden is not None])
+        items = []
+        for r in batch:
+            if r.aux_hidden is None:
+                continue
+            pos, chunks = r.verified_pos, [r.aux_hidden]
+            first, held = self._deferred.pop(r.req_id, (pos, []))
+            n_held = sum(int(c.shape[0]) for c in held)
+            if first <= pos <= first + n_held:
+                # catch up: the held rows before this step's, minus any the
+                # target recomputed (they come again in this step's rows)
+                keep, out = pos - first, []
+                for c in held:
+                    take = min(keep, int(c.shape[0]))
+                    if take:
+                        out.append(c[:take])
+                    keep -= take
+                pos, chunks = first, out + chunks
+            # (a gap: the held rows are dropped; the runtime fills gaps from
+            # its prefix store or stops drafting for the request)
+            if r.sampled and r.budget <= 0:
+                # No draft asked this step (the cost-aware gate, or the
+                # context's end): hold the rows and feed them, in one batched
+                # pass, when a draft is asked. A gated request costs no head
+                # pass at all.
+                self._deferred[r.req_id] = (pos, chunks)
+                continue
+            aux = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            items.append((r.req_id, pos, r.token_ids, aux))
+        self.runtime.extend(items)
         self._extend_time.add(time.perf_counter() - t0)
 
     def draft(self, batch: list[StepRequest], budgets: list[int],
