@@ -222,3 +222,16 @@ def test_gate_without_drafting_cost_is_the_cut():
     _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
     assert choice.sizes == [0]
     assert not ctl.draft_now()
+
+
+def test_gate_ignores_the_catch_up_of_the_first_draft_after_a_gap():
+    # drafting steps cost 10 ms; the exploring step after two no-draft steps
+    # also feeds the held rows (500 ms) and must not count as drafting cost
+    ctl = BudgetController()
+    ctl.observe_propose(0.010, drafted=True)
+    ctl.observe_propose(0.001, drafted=False)
+    ctl.observe_propose(0.001, drafted=False)
+    ctl.observe_propose(0.500, drafted=True)
+    assert ctl.gate.draft_seconds == pytest.approx(0.009)
+    ctl.observe_propose(0.010, drafted=True)  # the next drafted step counts
+    assert ctl.gate.draft_seconds == pytest.approx(0.009)
