@@ -16,7 +16,11 @@ Methods: ``none``, any registered specplug method (``specplug methods``), or
 any vLLM method name. Options per method with ``--method-options`` (JSON or
 ``@file``), e.g. ``'{"pld": {"tree_branches": 3}, "dresd": {"datastore": "..."}}'``;
 they are merged into ``speculative_config`` after ``method`` and
-``num_speculative_tokens``. A method that cannot run here (``suffix`` without
+``num_speculative_tokens``. A plain-decoding label takes engine options
+instead: ``none@sync`` with ``'{"none@sync": {"async_scheduling": false}}'``
+is plain decoding scheduled as vLLM schedules any specplug method (vLLM
+0.32 schedules asynchronously only without speculation or with its own
+GPU drafters). A method that cannot run here (``suffix`` without
 arctic-inference, ``eagle3`` without a head ``model``, ``dresd`` without a
 ``datastore``, vLLM refusing it at start-up) is reported as ``skipped`` with
 the reason.
@@ -177,6 +181,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- methods
+# Engine options a plain-decoding label may set (``--method-options
+# '{"none@sync": {"async_scheduling": false}}'``): vLLM schedules
+# asynchronously unless speculation is configured (vLLM 0.32 allows it only
+# for its own EAGLE/MTP/draft-model/ngram_gpu drafters), so ``none@sync``
+# shows how much of a method's gap to ``none`` is that scheduling.
+BASELINE_ENGINE_OPTIONS = {"async_scheduling"}
+
+
 def base_method(name: str) -> str:
     """``pld@tree`` -> ``pld``: a label after ``@`` runs one method twice with
     different ``--method-options`` (keyed by the full name)."""
@@ -198,6 +210,10 @@ def preflight(name: str, kind: str, opts: dict, model: str | None = None) -> str
 
     name = base_method(name)
     if kind == "baseline":
+        bad = set(opts) - BASELINE_ENGINE_OPTIONS
+        if bad:
+            return (f"plain decoding takes only engine options "
+                    f"{sorted(BASELINE_ENGINE_OPTIONS)}, not {sorted(bad)}")
         return None
     if kind == "vllm":
         if name == "suffix" and importlib.util.find_spec("arctic_inference") is None:
@@ -611,6 +627,7 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
     _log(f"{tag}: starting ({sum(len(s.prompts) for s in suites)} prompts){busy}")
     t0 = time.perf_counter()
     job = {**job_base, "batch_size": batch, "spec": m["speculative_config"],
+           "engine_options": m["options"] if m["kind"] == "baseline" else {},
            "kind": m["kind"], "result_path": str(log_dir / f"{stem}.result.json")}
     res = run_config(job, log_dir / f"{stem}.log", timeout, _log_event)
     res["load_average"] = [load0, _loadavg()]

@@ -184,6 +184,7 @@ def run(job: dict) -> dict:
                   max_num_seqs=job["batch_size"],
                   enforce_eager=job.get("enforce_eager", False), seed=job["seed"],
                   disable_log_stats=False, speculative_config=job["spec"],
+                  **job.get("engine_options", {}),
                   **({"kv_cache_memory_bytes": job["kv_cache_bytes"]}
                      if job.get("kv_cache_bytes") else {}))
     except Exception as exc:  # noqa: BLE001 - reported, not raised

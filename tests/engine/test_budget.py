@@ -235,3 +235,31 @@ def test_gate_ignores_the_catch_up_of_the_first_draft_after_a_gap():
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
     ctl.observe_propose(0.010, drafted=True)  # the next drafted step counts
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
+
+
+def test_exploring_step_is_judged_against_one_requests_drafting():
+    # 8 requests drafted at 80 ms of drafting (10 ms each). A closed gate's
+    # exploring step drafts for one request: its one node (p = 0.5 at
+    # 100 ms plain, 120 ms with the node) pays against 10 ms of drafting
+    # (1.5 / 130 ms > 1 / 100 ms) though not against the batch's 80 ms
+    # (1.5 / 200 ms)
+    model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
+    model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, 0.5e6
+    cost = StepCost()
+    cost.observe(1, 0.100)
+    cost.observe(2, 0.120)
+    ctl = BudgetController(model, cost)
+    ctl.observe_propose(0.081, drafted=True, requests=8)
+    ctl.observe_propose(0.001, drafted=False, requests=0)
+    assert ctl.gate.draft_cost(8) == pytest.approx(0.080)
+    assert ctl.gate.draft_cost(1) == pytest.approx(0.010)
+    assert ctl.gate.draft_cost(0) == 0.0
+    ctl.gate.judge(False)  # closed: two skipped steps, then one exploring
+    assert [ctl.draft_now() for _ in range(2)] == [False, False]
+    assert not ctl.exploring
+    assert ctl.draft_now() and ctl.exploring
+    ctl.observe_propose(0.5, drafted=True, requests=1)  # catch-up: not counted
+    assert ctl.stats.explore_steps == 1
+    _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert choice.sizes == [1]
+    assert ctl.draft_now() and not ctl.exploring  # it paid: open again

@@ -102,3 +102,10 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     step(prop, 41, 1, 0)
     step(prop, 41, 1, 8)
     assert prop.runtime.states["a"].n == 42
+    # held rows are bounded: past max_held_rows they are fed without a draft
+    prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2, max_held_rows=2), ctx)
+    step(prop, 0, 40, 0, sampled=False)
+    assert step(prop, 40, 1, 0) is None and step(prop, 41, 1, 0) is None
+    assert prop.runtime.states["a"].n == 40  # two rows held
+    assert step(prop, 42, 1, 0) is None  # a third: all three fed, still no draft
+    assert prop.runtime.states["a"].n == 43 and "a" not in prop._deferred

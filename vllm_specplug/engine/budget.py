@@ -35,9 +35,11 @@ before the cut. The controller also measures the proposer's time per step,
 drafting and not drafting, and closes a *gate* when the best cut of the
 last drafted step would not have paid for the drafting on top of its rows:
 the runner then asks the method for no draft (every request's budget 0;
-methods still extend their state). A closed gate is reopened for one
-exploring step after 2, 4, ... up to ``max_skip`` steps, so the acceptance
-estimates stay fresh and the gate opens again when drafts start to pay.
+methods still extend their state). A closed gate lets one request (round
+robin) draft in an exploring step after 2, 4, ... up to ``max_skip`` steps,
+so the acceptance estimates stay fresh and the gate opens again when drafts
+start to pay; drafting's cost is measured per request asked, so one
+request's exploring is judged against one request's drafting.
 """
 
 from __future__ import annotations
@@ -261,6 +263,9 @@ class BudgetStats:
     gated_steps: int = 0
     """Steps the gate asked the method for no draft at all (drafting would
     not have paid for its own time)."""
+    explore_steps: int = 0
+    """Steps a closed gate let one request draft, to see whether drafting
+    pays again."""
     size_hist: dict[int, int] = field(default_factory=dict)
 
 
@@ -272,12 +277,22 @@ class DraftGate:
         self.max_skip = max_skip
         self.propose_seconds: dict[bool, float | None] = {True: None, False: None}
         """Proposer time per step (EMA), drafting / not drafting."""
+        self.drafting_requests: float | None = None
+        """Requests asked for a draft per drafting step (EMA, same steps as
+        ``propose_seconds[True]``): drafting cost scales with them."""
         self.open = True
         self._skip = 0  # steps to skip before the next exploring step
         self._backoff = 1
         self._drafted_last = True
+        self.exploring = False
+        """This step is a closed gate's exploring step: the runner asks
+        only one request for a draft (round robin), so exploring costs one
+        request's drafting (and a head's catch-up of one request's held
+        rows), not the batch's."""
 
-    def observe_propose(self, seconds: float, drafted: bool) -> None:
+    def observe_propose(self, seconds: float, drafted: bool, requests: int = 1) -> None:
+        """The proposer's time this step, whether it was asked to draft, and
+        for how many requests."""
         follows_gap = drafted and not self._drafted_last
         self._drafted_last = drafted
         if follows_gap:
@@ -289,6 +304,9 @@ class DraftGate:
         old = self.propose_seconds[drafted]
         self.propose_seconds[drafted] = (
             seconds if old is None else old + self.alpha * (seconds - old))
+        if drafted:
+            n = self.drafting_requests
+            self.drafting_requests = requests if n is None else n + self.alpha * (requests - n)
 
     @property
     def draft_seconds(self) -> float:
@@ -298,6 +316,15 @@ class DraftGate:
         if on is None:
             return 0.0
         return max(0.0, on - (off or 0.0))
+
+    def draft_cost(self, requests: int) -> float:
+        """What drafting for ``requests`` requests adds to a step: the
+        measured drafting cost, scaled by requests (an exploring step
+        drafts for one)."""
+        if requests <= 0:
+            return 0.0
+        n = self.drafting_requests
+        return self.draft_seconds * (requests / n if n else 1.0)
 
     def judge(self, pays: bool) -> None:
         """After a drafted step: did its best cut pay for the drafting?"""
@@ -311,12 +338,14 @@ class DraftGate:
     def draft_now(self) -> bool:
         """Ask the method for drafts this step? (exploring once a closed
         gate has skipped its steps)"""
+        self.exploring = False
         if self.open:
             return True
         if self._skip > 0:
             self._skip -= 1
             return False
-        return True  # explore: judge() decides again after this step
+        self.exploring = True  # judge() decides again after this step
+        return True
 
 
 class BudgetController:
@@ -369,9 +398,18 @@ class BudgetController:
             self.stats.gated_steps += 1
         return ok
 
-    def observe_propose(self, seconds: float, drafted: bool) -> None:
-        """The proposer's time this step, and whether it was asked to draft."""
-        self.gate.observe_propose(seconds, drafted)
+    @property
+    def exploring(self) -> bool:
+        """The step ``draft_now`` allowed is a closed gate's exploring step
+        (the runner then asks one request for a draft)."""
+        return self.gate.exploring
+
+    def observe_propose(self, seconds: float, drafted: bool, requests: int = 1) -> None:
+        """The proposer's time this step, whether it was asked to draft,
+        and for how many requests."""
+        self.gate.observe_propose(seconds, drafted, requests)
+        if drafted and self.gate.exploring:
+            self.stats.explore_steps += 1
 
     # -------------------------------------------------------------- choosing
     def choose(self, req_ids: list[str], trees: list[DraftTree | None],
@@ -411,7 +449,9 @@ class BudgetController:
         if self.cost.known and rows > 0 and cand:
             # would this step's best cut have paid for the drafting as well?
             best_gain = rows + sum(-c[0] for c in cand[:best_k])
-            with_draft = best_gain / (self.cost(rows + best_k) + self.gate.draft_seconds)
+            drafted = sum(1 for t in trees if t is not None and len(t))
+            with_draft = best_gain / (self.cost(rows + best_k)
+                                      + self.gate.draft_cost(drafted))
             self.gate.judge(best_k > 0 and with_draft > plain)
         out: list[DraftTree | None] = []
         sizes, expected = [], []

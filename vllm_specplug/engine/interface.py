@@ -38,7 +38,10 @@ class Needs:
     processing) at verified decode positions."""
     prefill_topk: bool = False
     """Also compute top-k at every prompt position (costs an LM-head pass over
-    the prompt; the adjacency table learns from it)."""
+    the prompt; the adjacency table learns from it). Skipped while the
+    cost-aware budget's gate is closed (drafting does not pay then, so
+    neither does learning for it): the chunk then has only its last row's
+    top-k, as without this flag."""
     tree_topk: bool = False
     """Top-k at every verified tree node, accepted or rejected."""
     aux_layers: tuple[int, ...] = ()

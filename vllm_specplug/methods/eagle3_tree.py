@@ -52,6 +52,12 @@ class Eagle3TreeConfig(MethodConfig):
     template: str = "default"
     """Static mode's shape: a preset of ``sources/template.py`` or nodes per
     level, e.g. ``"8,6,4,3,2"``; ranks below ``topk``."""
+    max_held_rows: int = Field(default=1024, ge=0)
+    """Verified rows a request asked for no draft (the cost-aware gate
+    closed) holds before feeding them to the head anyway, in one batched
+    pass: bounds the memory a long gated request holds (``3 * hidden``
+    floats a row: 7 KiB for the reference model, 48 KiB for a 4096-wide
+    target) and the catch-up its next draft pays. 0 feeds every step."""
     prefix_store_tokens: int = Field(default=1 << 16, ge=0)
     """Head K/V positions kept (LRU, by token prefix) for prompt blocks vLLM
     serves from its prefix cache; a request whose cached prefix is not in the
@@ -159,11 +165,12 @@ class Eagle3TreeProposer(Proposer):
                 pos, chunks = first, out + chunks
             # (a gap: the held rows are dropped; the runtime fills gaps from
             # its prefix store or stops drafting for the request)
-            if r.sampled and r.budget <= 0:
+            held_rows = sum(int(c.shape[0]) for c in chunks)
+            if r.sampled and r.budget <= 0 and held_rows <= self.config.max_held_rows:
                 # No draft asked this step (the cost-aware gate, or the
                 # context's end): hold the rows and feed them, in one batched
                 # pass, when a draft is asked. A gated request costs no head
-                # pass at all.
+                # pass at all (until it holds more than max_held_rows).
                 self._deferred[r.req_id] = (pos, chunks)
                 continue
             aux = chunks[0] if len(chunks) == 1 else torch.cat(chunks)

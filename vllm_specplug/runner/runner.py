@@ -267,6 +267,7 @@ class SpecplugRunnerMixin:
         self._sp_sourced: dict[str, tuple[DraftTree, int]] = {}
         self._sp_budget: BudgetController | None = None
         self._sp_step_t0: float | None = None
+        self._sp_explore_turn = 0
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -694,6 +695,11 @@ class SpecplugRunnerMixin:
         # the budget's gate: no draft at all this step when drafting has
         # stopped paying for its own time (engine/budget.DraftGate)
         drafting = self._sp_budget is None or self._sp_budget.draft_now()
+        # a closed gate's exploring step asks one request (round robin)
+        explore = -1
+        if drafting and self._sp_budget is not None and self._sp_budget.exploring:
+            self._sp_explore_turn += 1
+            explore = self._sp_explore_turn % max(1, len(self.input_batch.req_ids))
         for i, rid in enumerate(self.input_batch.req_ids):
             n_sched = scheduler_output.num_scheduled_tokens[rid]
             c = int(self.input_batch.num_computed_tokens_cpu[i])
@@ -722,7 +728,8 @@ class SpecplugRunnerMixin:
                 budget=draft_budget(
                     self.speculative_config.num_speculative_tokens,
                     scheduler_output.num_spec_tokens_to_schedule,
-                    self.max_model_len, ntok, sampled) if drafting else 0,
+                    self.max_model_len, ntok, sampled)
+                if drafting and explore in (-1, i) else 0,
             )
             if needs.hidden:
                 sreq.hidden = hidden_states[rows]
@@ -734,7 +741,7 @@ class SpecplugRunnerMixin:
                     [aux_hidden_states[self._sp_aux_index[x]][rows] for x in needs.aux_layers],
                     dim=-1)
             self._sp_fill_topk(sreq, state, i, rel, is_decode, hidden_states, rows,
-                               first, n_sched)
+                               first, n_sched, drafting)
             if needs.entropy:
                 self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
@@ -745,7 +752,8 @@ class SpecplugRunnerMixin:
         t2 = time.perf_counter()
         if self._sp_budget is not None and all_decode:
             # rank 0's time: every tensor-parallel rank must gate alike
-            self._sp_budget.observe_propose(_tp_rank0_float(t2 - t1), drafting)
+            self._sp_budget.observe_propose(_tp_rank0_float(t2 - t1), drafting,
+                                            sum(1 for r in batch if r.budget > 0))
         kept: list[DraftTree | None] = []
         for sreq, tree in zip(batch, trees):
             if tree is None or sreq.budget <= 0:
@@ -827,7 +835,12 @@ class SpecplugRunnerMixin:
             sreq.entropy = _entropy(self.model.compute_logits(hidden_states[last]))
 
     def _sp_fill_topk(self, sreq, state, i, rel, is_decode, hidden_states, rows,
-                      first, n_sched) -> None:
+                      first, n_sched, drafting: bool = True) -> None:
+        """``drafting``: the budget's gate is open. While it is closed the
+        prompt's LM-head pass (``Needs.prefill_topk``) is skipped: it only
+        serves drafts, which do not pay now, and over a long prompt it costs
+        about a fifth of the prefill (issue 21: recycle/graft/adapld at
+        batch 8 on summarization)."""
         needs = self._sp_needs
         if state is None or state.topk is None:
             return
@@ -843,7 +856,7 @@ class SpecplugRunnerMixin:
                 sreq.node_tokens = self.input_ids.gpu[root : root + n1].clone()
                 sreq.node_topk_ids = ids[torch.as_tensor(where[base : base + n1],
                                                          device=ids.device)]
-        elif needs.prefill_topk and n_sched > 0:
+        elif needs.prefill_topk and n_sched > 0 and drafting:
             lg = self.model.compute_logits(hidden_states[rows])
             v, t = torch.softmax(lg.float(), -1).topk(ids.shape[-1], dim=-1)
             sreq.topk_ids, sreq.topk_probs = t, v
