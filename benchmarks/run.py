@@ -29,7 +29,11 @@ Batching: with batch size B the engine is built with ``max_num_seqs=B`` and
 all of a suite's prompts are submitted in one ``generate`` call, so vLLM's
 continuous batching keeps at most B requests running at a time. Timing: wall
 time of that one ``generate`` call per suite, after a short warm-up
-generation; tokens/s = generated tokens / that wall time.
+generation; tokens/s = generated tokens / that wall time. With
+``--repeats R`` the same ``generate`` is timed R times in the same engine
+and the median counts (outputs, tau and counters are the first run's; a
+method that learns online -- an adjacency table, the budget's estimates --
+is warmer in the repeats than in the first).
 
 Decoding is greedy (temperature 0), ``seed=0``, EOS honoured unless
 ``--ignore-eos`` (``--quick`` turns it on). Every output is compared token by
@@ -118,6 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default bfloat16 (quick: float32)")
     ap.add_argument("--limit", type=int, default=None,
                     help="prompts per suite (default: all; quick: 2)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="time each suite's generate this many times in the same engine "
+                         "and report the median wall time (outputs and counters are the "
+                         "first run's); a short suite's one generate is a few seconds, "
+                         "and single timings vary by 10-20%% between runs on a shared "
+                         "machine (default 1)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="context cap; longer prompts are dropped (default: the model's, "
                          "at most 8192; quick: 1024)")
@@ -240,7 +250,7 @@ def preflight(name: str, kind: str, opts: dict, model: str | None = None) -> str
 
 
 def spec_config(name: str, args) -> dict | None:
-    if name == "none":
+    if base_method(name) == "none":
         return None
     return {"method": base_method(name), "num_speculative_tokens": args.num_speculative_tokens,
             **args.options.get(name, {})}
@@ -435,6 +445,7 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         rec["reason"] = result.get("reason") or "the worker returned no result for this suite"
         return rec
     wall, toks = entry["wall_seconds"], entry["generated_tokens"]
+    rec["wall_seconds_repeats"] = entry.get("wall_seconds_repeats")
     rec.update(generated_tokens=toks, wall_seconds=wall,
                tokens_per_s=toks / wall if wall > 0 else None, tau=report.tau(toks, 0))
     if base_entry is not None and rec["tokens_per_s"] and base_entry["wall_seconds"] > 0:
@@ -573,6 +584,7 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
             "max_model_len": run_len, "num_speculative_tokens": args.num_speculative_tokens,
             "batch_sizes": args.batch_sizes, "limit": args.limit, "quick": args.quick,
             "ignore_eos": args.ignore_eos, "temperature": 0.0, "seed": 0,
+            "repeats": args.repeats,
             "batching": "max_num_seqs", "enforce_eager": args.eager,
             "compile_cache": compile_cache_dir(),
             "lossless_check": "strict" if (args.dtype == "float32" or args.strict) else "report",
@@ -790,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     job_base = {"model": model, "dtype": args.dtype, "max_model_len": run_len, "seed": 0,
                 "kv_cache_bytes": kv_bytes, "enforce_eager": args.eager, "max_tokens": args.max_tokens,
                 "ignore_eos": args.ignore_eos, "warmup_prompts": warmup,
+                "repeats": args.repeats,
                 "suites": [{"name": s.name, "prompts": s.prompts} for s in suites]}
 
     results: dict[tuple[str, int], dict] = {}

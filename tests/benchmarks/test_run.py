@@ -45,7 +45,8 @@ def _record(doc, method):
 def test_quick_run_float32_is_lossless_and_valid(tmp_path):
     # The tiny model is random: the cost-aware budget may rightly cut every
     # tree to nothing, and this test checks the draft records: pin the size.
-    proc, doc = _bench(tmp_path, "--method-options", '{"pld": {"cost_aware": false}}')
+    proc, doc = _bench(tmp_path, "--method-options", '{"pld": {"cost_aware": false}}',
+                       "--repeats", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert doc is not None
     assert report.validate(doc) == []
@@ -60,7 +61,11 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
     assert meta["corrupt_hook"] is None
     assert meta["enforce_eager"] is False  # the compiled model, as users run it
     assert meta["machine"]["cpu_flags"] and meta["machine"]["model_name"]
+    assert meta["repeats"] == 2
     none, pld = _record(doc, "none"), _record(doc, "pld")
+    for r in (none, pld):  # two timed generates; the upper median counts
+        assert len(r["wall_seconds_repeats"]) == 2
+        assert r["wall_seconds"] == max(r["wall_seconds_repeats"])
     for r in (none, pld):
         assert r["status"] == "ok" and r["suite"] == "specbench" and r["batch_size"] == 2
         assert r["num_prompts"] == 2 and r["generated_tokens"] == 2 * 32  # ignore_eos
@@ -255,6 +260,13 @@ def test_labelled_variants_and_default_eagle3_head(ref_model, tiny_model):
     spec = run.spec_config("pld@tree", args)
     assert spec["method"] == "pld" and spec["tree_branches"] == 3
     assert "tree_branches" not in run.spec_config("pld", args)
+    # a plain-decoding label takes engine options, not a speculative config
+    args = run.parse_args(["--methods", "none@sync", "--method-options",
+                           '{"none@sync": {"async_scheduling": false}}'])
+    assert run.method_kind("none@sync") == "baseline"
+    assert run.spec_config("none@sync", args) is None
+    assert run.preflight("none@sync", "baseline", {"async_scheduling": False}) is None
+    assert "async_scheduling" in run.preflight("none@sync", "baseline", {"max_num_seqs": 2})
     # the shipped head stands in for "model" on the reference model only
     assert run.preflight("eagle3", "vllm", {}, ref_model) is None
     assert "model" in run.preflight("eagle3", "vllm", {}, tiny_model)

@@ -109,3 +109,29 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     assert prop.runtime.states["a"].n == 40  # two rows held
     assert step(prop, 42, 1, 0) is None  # a third: all three fed, still no draft
     assert prop.runtime.states["a"].n == 43 and "a" not in prop._deferred
+
+
+def test_head_stops_deepening_where_a_level_is_worth_less_than_its_pass(ref_model):
+    """``StepRequest.token_seconds``: with a token worth far less than a
+    level's measured time the head drafts one level only; unknown (0) or
+    worth a lot, it drafts as deep as before."""
+    embed = torch.randn(49152, 576) * 0.05
+    ctx = _ctx(ref_model, 49152, 576, embed)
+    g = torch.Generator().manual_seed(2)
+    toks = np.arange(300, 341, dtype=np.int64)
+    aux = torch.randn(40, 3 * 576, generator=g)
+
+    def depth_of_tree(token_seconds: float) -> int:
+        prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=5, topk=1), ctx)
+        prop.runtime.level_seconds = 0.010  # as measured by an earlier draft
+        r = StepRequest(req_id="a", token_ids=toks, num_prompt_tokens=40, sampled=True,
+                        verified_pos=0, aux_hidden=aux, budget=8,
+                        token_seconds=token_seconds)
+        tree = prop.propose([r])[0]
+        stopped = prop.runtime.stats.stopped_cost
+        assert (stopped > 0) == (int(tree.depths().max()) < 5)
+        return int(tree.depths().max())
+
+    assert depth_of_tree(0.0) == 5  # unknown: no cost stop
+    assert depth_of_tree(1e3) == 5  # a token worth 1000 s: every level pays
+    assert depth_of_tree(1e-6) == 1  # worth 1 us against a 10 ms level

@@ -33,6 +33,7 @@ reference, which recomputes the whole prefix per call) does not have:
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,9 @@ class RuntimeStats:
     store_hits: int = 0
     store_misses: int = 0
     stopped_early: int = 0
+    stopped_cost: int = 0
+    """Requests that stopped deepening because the next level was worth
+    less than its head pass (``draft(token_seconds=...)``)."""
 
 
 def _attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -117,6 +121,10 @@ class Eagle3Runtime:
         self.store: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.store_blocks = max(0, store_tokens // BLOCK)
         self.stats = RuntimeStats()
+        self.level_seconds: float | None = None
+        """One drafting level's time (EMA; logits + top-k + a head pass),
+        measured on CPU only: a GPU's launches are asynchronous, and its
+        passes cost little next to a target step."""
 
     # ------------------------------------------------------------ lifecycle
     def add(self, req_id: str) -> None:
@@ -275,11 +283,19 @@ class Eagle3Runtime:
     @torch.no_grad()
     def draft(self, req_ids: Sequence[str], budgets: Sequence[int], *, depth: int = 8,
               topk: int = 10, template: TreeTemplate | None = None,
-              hook: DepthHook | None = None) -> list[DraftTree | None]:
+              hook: DepthHook | None = None,
+              token_seconds: Sequence[float] | None = None) -> list[DraftTree | None]:
         """One tree per request (None where the state is not ready or the
         budget is 0): at most ``budgets[i]`` nodes, at most ``depth`` deep
         (``template``: its shape instead of top-k/depth). Requests must be
-        :meth:`ready`. ``DraftTree.scores`` are cumulative log-probabilities."""
+        :meth:`ready`. ``DraftTree.scores`` are cumulative log-probabilities.
+
+        ``token_seconds`` (per request, 0 = unknown): what one accepted token
+        saves (``StepRequest.token_seconds``). A request then stops
+        deepening once the next level is worth less than it costs: its best
+        frontier node's probability (what the level can add at most, by the
+        head's own scores) times ``token_seconds`` below the request's share
+        of a level's measured time."""
         live = [i for i, (r, b) in enumerate(zip(req_ids, budgets))
                 if b > 0 and r in self.states and self.states[r].out is not None
                 and not self.states[r].broken]
@@ -289,13 +305,19 @@ class Eagle3Runtime:
         self.stats.draft_calls += 1
         sts = [self.states[req_ids[i]] for i in live]
         need = torch.tensor([budgets[i] for i in live], device=self.device)
-        cand = self._expand(sts, need, depth, topk, template, hook)
+        worth = None
+        if token_seconds is not None and self.level_seconds is not None:
+            worth = torch.tensor([float(token_seconds[i]) for i in live], device=self.device)
+            if not bool((worth > 0).any()):
+                worth = None
+        cand = self._expand(sts, need, depth, topk, template, hook, worth)
         for j, i in enumerate(live):
             trees[i] = _select(cand, j, budgets[i])
         return trees
 
     def _expand(self, sts: list[_State], need: torch.Tensor, depth: int, topk: int,
-                template: TreeTemplate | None, hook: DepthHook | None) -> dict:
+                template: TreeTemplate | None, hook: DepthHook | None,
+                token_seconds: torch.Tensor | None = None) -> dict:
         """Candidates of every request: tokens, cumulative log-probs, parent
         (candidate index, -1 = root), all ``[B, C]`` in depth order.
 
@@ -325,7 +347,9 @@ class Eagle3Runtime:
         tree_k = tree_v = anc = None
         alive = torch.ones(bsz, dtype=torch.bool, device=dev)
         n_cand = 0
+        timed = dev.type == "cpu"
         for d in range(1, max_depth + 1):
+            t_level = time.perf_counter() if timed else 0.0
             # children of the frontier (rows whose output is front_out)
             logp = self._logp(front_out)  # [B, m, Vd]
             vals, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [B, m, w]
@@ -367,6 +391,18 @@ class Eagle3Runtime:
                     alive &= keep.to(dev)
                     if not bool(alive.any()):
                         break
+            if token_seconds is not None:
+                # cost-aware depth: a level costs level_seconds, shared by
+                # the live requests; the next level adds at most its best
+                # frontier node's probability in accepted tokens
+                share = self.level_seconds / max(1, int(alive.sum()))
+                gain = nxt_score.max(dim=-1).values.exp() * token_seconds
+                stop = alive & (token_seconds > 0) & (gain < share)
+                if bool(stop.any()):
+                    self.stats.stopped_cost += int(stop.sum())
+                    alive &= ~stop
+                    if not bool(alive.any()):
+                        break
             # one head pass over the next frontier's rows
             f_tok = c_tok.gather(1, nxt)
             f_hid = front_out.gather(1, nxt_row[..., None].expand(-1, -1, front_out.shape[-1]))
@@ -392,6 +428,10 @@ class Eagle3Runtime:
                                 f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
             self.stats.head_rows += int(alive.sum()) * k_new
             self.stats.head_passes += 1
+            if timed:
+                dt = time.perf_counter() - t_level
+                old = self.level_seconds
+                self.level_seconds = dt if old is None else old + 0.2 * (dt - old)
             front_score = nxt_score
             front_cand = nxt + n_cand
             n_cand += c_tok.shape[1]

@@ -108,6 +108,12 @@ class StepRequest:
     """Nodes of this request's previous tree that this step verified: its
     first ``draft_kept`` nodes (the runner's budget and vLLM's scheduler
     may keep only a prefix; 0 when nothing was verified)."""
+    token_seconds: float = 0.0
+    """What one accepted token saves this step: the target's measured
+    plain-step time per decoding request at this step's batch (the
+    cost-aware budget's step-cost curve); 0 when unknown (budget off, or no
+    step measured yet). A drafter whose cost grows with its depth (a head's
+    passes) stops deepening where a level is worth less than it costs."""
     budget: int = 0
     """Most draft nodes the next step can verify for this request, computed
     once by the runner (``draft_budget``): ``num_speculative_tokens``, cut

@@ -188,7 +188,8 @@ class Eagle3TreeProposer(Proposer):
                    for r, b in zip(batch, budgets)]
         cfg: Eagle3TreeConfig = self.config
         trees = self.runtime.draft(ids, budgets, depth=cfg.depth, topk=cfg.topk,
-                                   template=self.template, hook=hook)
+                                   template=self.template, hook=hook,
+                                   token_seconds=[r.token_seconds for r in batch])
         if any(b > 0 for b in budgets):
             self._draft_time.add(time.perf_counter() - t1)
             self._steps += 1
@@ -201,7 +202,8 @@ class Eagle3TreeProposer(Proposer):
         return ProposerStats(
             counters={"extended_rows": s.extended_rows, "draft_head_rows": s.head_rows,
                       "draft_head_passes": s.head_passes,
-                      "draft_steps": self._steps, "store_hits": s.store_hits,
+                      "draft_steps": self._steps, "stopped_cost": s.stopped_cost,
+                      "store_hits": s.store_hits,
                       "store_misses": s.store_misses},
             gauges={"head": os.path.basename(os.path.normpath(self.head_dir)),
                     "extend": self._extend_time.as_ms(), "draft": self._draft_time.as_ms(),

@@ -695,6 +695,15 @@ class SpecplugRunnerMixin:
         # the budget's gate: no draft at all this step when drafting has
         # stopped paying for its own time (engine/budget.DraftGate)
         drafting = self._sp_budget is None or self._sp_budget.draft_now()
+        # What an accepted token saves (engine/interface.StepRequest.token_seconds),
+        # from the step-cost curve (rank 0's times, so alike on every rank).
+        # 0 under tensor parallelism: a head weighs it against its own pass
+        # time, which each rank measures for itself, and ranks must draft alike.
+        token_s = 0.0
+        n_dec = sum(1 for x in sampled_token_ids if len(x) > 0)
+        if (self._sp_budget is not None and self._sp_budget.cost.known and n_dec
+                and self.parallel_config.tensor_parallel_size == 1):
+            token_s = self._sp_budget.cost(n_dec) / n_dec
         # a closed gate's exploring step asks one request (round robin)
         explore = -1
         if drafting and self._sp_budget is not None and self._sp_budget.exploring:
@@ -725,6 +734,7 @@ class SpecplugRunnerMixin:
                 temperature=float(sp.temperature) if sp is not None else 0.0,
                 chain_only=_chain_only(sp),
                 draft_kept=_num_real(scheduled.get(rid, ())),
+                token_seconds=token_s,
                 budget=draft_budget(
                     self.speculative_config.num_speculative_tokens,
                     scheduler_output.num_spec_tokens_to_schedule,
