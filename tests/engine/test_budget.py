@@ -235,6 +235,11 @@ def test_gate_ignores_the_catch_up_of_the_first_draft_after_a_gap():
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
     ctl.observe_propose(0.010, drafted=True)  # the next drafted step counts
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
+    # ... but a step after a gap that was cheaper lowers the estimate
+    # (drafting got cheaper while the gate was closed)
+    ctl.observe_propose(0.001, drafted=False)
+    ctl.observe_propose(0.006, drafted=True)
+    assert ctl.gate.draft_seconds == pytest.approx(0.009 + 0.2 * (0.005 - 0.009))
 
 
 def test_exploring_step_is_judged_against_one_requests_drafting():

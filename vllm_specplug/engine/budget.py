@@ -296,10 +296,20 @@ class DraftGate:
         follows_gap = drafted and not self._drafted_last
         self._drafted_last = drafted
         if follows_gap:
-            # the first draft after no-draft steps also feeds a head the
-            # rows it held meanwhile (one batched catch-up): not what a
-            # step of drafting costs, and counting it would keep the gate
-            # shut (seen: 215 ms "per draft" at batch 8 for a 40 ms step)
+            # The first draft after no-draft steps also feeds a head the
+            # rows it held meanwhile (one batched catch-up): counting it
+            # whole would keep the gate shut (seen: 215 ms "per draft" at
+            # batch 8 for a 40 ms step). A catch-up only makes the step look
+            # dearer, so such a step may lower the estimate, never raise it:
+            # a closed gate's drafting cost would otherwise stay what it was
+            # when the gate closed (seen: 42 ms after the head's cost-aware
+            # depth had made drafting ~12 ms).
+            on, n, off = self.propose_seconds[True], self.drafting_requests, \
+                self.propose_seconds[False] or 0.0
+            if on is not None and n and requests > 0:
+                equiv = off + (seconds - off) * n / requests  # at n requests
+                if equiv < on:
+                    self.propose_seconds[True] = on + self.alpha * (equiv - on)
             return
         old = self.propose_seconds[drafted]
         self.propose_seconds[drafted] = (
