@@ -85,26 +85,38 @@ class RuntimeStats:
     less than its head pass (``draft(token_seconds=...)``)."""
 
 
+def _kv_layout(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k, v [B, S, nkv, hd]`` -> ``(k^T [B, nkv, hd, S], v [B, nkv, S, hd])``,
+    the layout :func:`_attend` multiplies in (laid out once per key set, not
+    per use: the context keys serve every drafting level)."""
+    return k.permute(0, 2, 3, 1), v.permute(0, 2, 1, 3)
+
+
 def _attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
             scale: float) -> torch.Tensor:
     """Batched attention over several key sets with one softmax.
 
-    q ``[B, Q, nh, hd]``; each part ``(k [B, S, nkv, hd], v, mask [B, Q, S])``.
+    q ``[B, Q, nh, hd]``; each part ``(k^T [B, nkv, hd, S], v [B, nkv, S, hd],
+    mask [B, Q, S])`` (see :func:`_kv_layout`). Query heads are grouped per KV
+    head, so keys and values are never repeated per query head (on a CPU the
+    repeat cost more than the products).
     """
-    nh = q.shape[2]
-    scores, values = [], []
-    for k, v, mask in parts:
-        rep = nh // k.shape[2]
-        k = k.repeat_interleave(rep, dim=2)
-        values.append(v.repeat_interleave(rep, dim=2))
-        s = torch.einsum("bqhd,bshd->bhqs", q, k) * scale
-        scores.append(s.masked_fill(~mask[:, None], float("-inf")))
-    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-    out, start = 0, 0
-    for v in values:
-        out = out + torch.einsum("bhqs,bshd->bqhd", p[..., start:start + v.shape[1]], v)
-        start += v.shape[1]
-    return out
+    b, nq, nh, hd = q.shape
+    nkv = parts[0][0].shape[1]
+    rep = nh // nkv
+    qg = q.reshape(b, nq, nkv, rep, hd).permute(0, 2, 1, 3, 4).reshape(b, nkv, nq * rep, hd)
+    scores = []
+    for kt, _, mask in parts:
+        s = torch.matmul(qg, kt).mul_(scale).view(b, nkv, nq, rep, -1)
+        scores.append(s.masked_fill_(~mask[:, None, :, None, :], float("-inf")))
+    p = torch.softmax(torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0], dim=-1)
+    p = p.view(b, nkv, nq * rep, -1)
+    out, start = None, 0
+    for _, v, _ in parts:
+        o = torch.matmul(p[..., start:start + v.shape[2]], v)
+        out = o if out is None else out.add_(o)
+        start += v.shape[2]
+    return out.view(b, nkv, nq, rep, hd).permute(0, 2, 1, 3, 4).reshape(b, nq, nh, hd)
 
 
 class Eagle3Runtime:
@@ -251,20 +263,29 @@ class Eagle3Runtime:
         short = [i for i, w in enumerate(work) if w[2] <= 32]
         groups = ([short] if short else []) + [[i] for i, w in enumerate(work) if w[2] > 32]
         for g in groups:
-            qmax = max(work[i][2] for i in g)
-            smax = max(work[i][0].n for i in g)
-            qb = q.new_zeros(len(g), qmax, *q.shape[1:])
-            kb = q.new_zeros(len(g), smax, self.nkv, self.hd)
-            vb = torch.zeros_like(kb)
-            mask = torch.zeros(len(g), qmax, smax, dtype=torch.bool, device=self.device)
-            for b, i in enumerate(g):
-                st, p, n = work[i][:3]
-                qb[b, :n] = q[starts[i]:starts[i + 1]]
-                kb[b, :st.n] = st.k[:st.n]
-                vb[b, :st.n] = st.v[:st.n]
-                mask[b, :n] = (torch.arange(smax, device=self.device)[None, :]
-                               <= torch.arange(p, p + n, device=self.device)[:, None])
-            ob = _attend(qb, [(kb, vb, mask)], self.scale)
+            if len(g) == 1:
+                # one request: attend to its state in place (a decode step of
+                # a lone request would otherwise copy its whole K/V per step)
+                st, p, n = work[g[0]][:3]
+                qb = q[starts[g[0]]:starts[g[0] + 1]][None]
+                kb, vb = st.k[None, :st.n], st.v[None, :st.n]
+                mask = (torch.arange(st.n, device=self.device)[None, :]
+                        <= torch.arange(p, p + n, device=self.device)[:, None])[None]
+            else:
+                qmax = max(work[i][2] for i in g)
+                smax = max(work[i][0].n for i in g)
+                qb = q.new_zeros(len(g), qmax, *q.shape[1:])
+                kb = q.new_zeros(len(g), smax, self.nkv, self.hd)
+                vb = torch.zeros_like(kb)
+                mask = torch.zeros(len(g), qmax, smax, dtype=torch.bool, device=self.device)
+                for b, i in enumerate(g):
+                    st, p, n = work[i][:3]
+                    qb[b, :n] = q[starts[i]:starts[i + 1]]
+                    kb[b, :st.n] = st.k[:st.n]
+                    vb[b, :st.n] = st.v[:st.n]
+                    mask[b, :n] = (torch.arange(smax, device=self.device)[None, :]
+                                   <= torch.arange(p, p + n, device=self.device)[:, None])
+            ob = _attend(qb, [(*_kv_layout(kb, vb), mask)], self.scale)
             for b, i in enumerate(g):
                 att[starts[i]:starts[i + 1]] = ob[b, :work[i][2]]
         out = h._post(att, hid)
@@ -328,11 +349,16 @@ class Eagle3Runtime:
         bsz = len(sts)
         n_ctx = torch.tensor([st.n for st in sts], device=dev)
         smax = int(n_ctx.max())
-        ctx_k = torch.zeros(bsz, smax, self.nkv, self.hd, device=dev, dtype=self.dtype)
-        ctx_v = torch.zeros_like(ctx_k)
-        for b, st in enumerate(sts):
-            ctx_k[b, :st.n] = st.k[:st.n]
-            ctx_v[b, :st.n] = st.v[:st.n]
+        if bsz == 1:  # no padding needed: lay the state out directly
+            ctx_k, ctx_v = sts[0].k[None, :smax], sts[0].v[None, :smax]
+        else:
+            ctx_k = torch.zeros(bsz, smax, self.nkv, self.hd, device=dev, dtype=self.dtype)
+            ctx_v = torch.zeros_like(ctx_k)
+            for b, st in enumerate(sts):
+                ctx_k[b, :st.n] = st.k[:st.n]
+                ctx_v[b, :st.n] = st.v[:st.n]
+        # laid out once for every level's attention (see _kv_layout)
+        ctx_k, ctx_v = (x.contiguous() for x in _kv_layout(ctx_k, ctx_v))
         ctx_mask = (torch.arange(smax, device=dev)[None, :] < n_ctx[:, None])[:, None, :]
         root_out = torch.stack([st.out for st in sts])[:, None]  # [B, 1, H]
         levels = None if template is None else _template_levels(template)
@@ -423,7 +449,7 @@ class Eagle3Runtime:
                 tree_k = torch.cat([tree_k, k], dim=1)
                 tree_v = torch.cat([tree_v, v], dim=1)
             att = _attend(q, [(ctx_k, ctx_v, ctx_mask.expand(-1, k_new, -1)),
-                              (tree_k, tree_v, anc)], self.scale)
+                              (*_kv_layout(tree_k, tree_v), anc)], self.scale)
             front_out = h._post(att.reshape(bsz * k_new, *att.shape[2:]),
                                 f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
             self.stats.head_rows += int(alive.sum()) * k_new

@@ -8,6 +8,7 @@ how vLLM orders batch rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -157,6 +158,10 @@ class ProposerContext:
     embed_tokens: torch.Tensor | None = None
     """The target's input embedding matrix ``[vocab, hidden]`` (read-only)."""
     num_hidden_layers: int = 0
+    prepare_linears: Callable[[torch.nn.Module], int] | None = None
+    """Moves a drafter module's ``nn.Linear`` layers onto the engine's own
+    GEMM kernels (vLLM's prepacked CPU kernels; ``runner/cpu_gemm.py``) and
+    returns how many; None where the engine has none better than torch's."""
 
 
 @dataclass

@@ -52,6 +52,7 @@ from vllm_specplug.runner.checks import (
     check_kv_groups,
     check_layers,
 )
+from vllm_specplug.runner.cpu_gemm import prepare_cpu_linears
 from vllm_specplug.runner.guard import guard_for
 from vllm_specplug.runner.tree_attention import (
     CPU_KV_LAYOUTS,
@@ -287,6 +288,7 @@ class SpecplugRunnerMixin:
             tokenizer_path=self.model_config.tokenizer,
             embed_tokens=embed,
             num_hidden_layers=self.model_config.get_total_num_hidden_layers(),
+            prepare_linears=prepare_cpu_linears if self.device.type == "cpu" else None,
         )
         self._sp_proposer = cls(config, ctx)
         if config.cost_aware:
