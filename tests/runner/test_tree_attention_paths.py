@@ -58,3 +58,50 @@ def test_masked_tree_attention_matches_per_query_softmax():
             w = torch.softmax(keys[visible, kv] @ q[i, head] * D ** -0.5, dim=0)
             torch.testing.assert_close(got[i, head], w @ vals[visible, kv],
                                        atol=1e-5, rtol=1e-5)
+
+
+def _paged(k_ctx, v_ctx, blocks, nb, bs, layout):
+    """A vLLM CPU cache ``[nb, Hkv, bs, 2D]`` holding the context at ``blocks``,
+    written by hand in ``layout`` (k_transposed: a key block is [Hkv, D, bs])."""
+    c, hkv, d = k_ctx.shape
+    cache = torch.full((nb, hkv, bs, 2 * d), float("nan"))
+    kv = cache.view(nb, hkv, 2 * bs, d)
+    for pos in range(c):
+        b, t = int(blocks[pos // bs]), pos % bs
+        for h in range(hkv):
+            if layout == "k_transposed":
+                kv[b, h, :bs].reshape(d, bs)[:, t] = k_ctx[pos, h]
+            else:
+                kv[b, h, t] = k_ctx[pos, h]
+            kv[b, h, bs + t] = v_ctx[pos, h]
+    return cache
+
+
+def test_paged_tree_attention_reads_the_cache_in_both_layouts():
+    """The CPU path's attention over the paged cache (context split over
+    non-consecutive blocks, a part-filled last block whose unused slots hold
+    NaN) against a plain loop over queries and heads."""
+    from vllm_specplug.runner.tree_attention import cpu_split_cache, paged_tree_attention
+
+    g = torch.Generator().manual_seed(5)
+    n, c, bs, nb = 5, 37, 16, 8
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, 0, 0, 2, -1])
+    mask = torch.from_numpy(tree.ancestor_mask()[1:])
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    q = torch.randn(n, H, D, generator=g)
+    kc, vc = torch.randn(c, HKV, D, generator=g), torch.randn(c, HKV, D, generator=g)
+    ks, vs = torch.randn(n + 1, HKV, D, generator=g), torch.randn(n + 1, HKV, D, generator=g)
+    blocks = torch.tensor([6, 1, 4, 0], dtype=torch.int32)
+    keys, vals = torch.cat([kc, ks]), torch.cat([vc, vs])
+    want = torch.empty(n, H, D)
+    for i in range(n):
+        visible = list(range(c)) + [c + j for j in range(n + 1) if mask[i, j]]
+        for head in range(H):
+            kv = head // (H // HKV)
+            w = torch.softmax(keys[visible, kv] @ q[i, head] * D ** -0.5, dim=0)
+            want[i, head] = w @ vals[visible, kv]
+    for layout in ("k_transposed", "plain"):
+        k_cache, v_cache = cpu_split_cache(_paged(kc, vc, blocks, nb, bs, layout))
+        got = paged_tree_attention(q, k_cache, v_cache, blocks, c, ks, vs, bias,
+                                   D ** -0.5, layout)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
