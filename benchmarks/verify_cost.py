@@ -1,9 +1,12 @@
 """Cost of one verification step vs draft-tree size (issue 3).
 
     python -m benchmarks.verify_cost [--sizes 0,1,2,4,8,16,32,64] [--batch 1,8,32]
-        [--steps 16] [--dtype bfloat16] [--eager] [--out verify_cost.json --plot verify_cost.png]
+        [--steps 16] [--dtype bfloat16] [--eager] [--prompt-tokens 100]
+        [--out verify_cost.json --plot verify_cost.png]
 
-For each batch size B and tree size S, B requests of a ~100-token prompt
+For each batch size B and tree size S, B requests of a 100-token prompt
+(``--prompt-tokens``: the CPU tree rows read the whole context, so their
+cost grows with it)
 each verify random trees of exactly S nodes (the `oracle` method in `noise`
 mode: nothing is accepted, so every step is one target forward over
 B * (S + 1) tokens plus tree attention, sampling and the draft hand-over).
@@ -26,7 +29,7 @@ import time
 
 
 def _measure(model: str, dtype: str, batch: int, size: int, steps: int,
-             eager: bool = False) -> float:
+             eager: bool = False, prompt_tokens: int = 100) -> float:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -37,11 +40,13 @@ def _measure(model: str, dtype: str, batch: int, size: int, steps: int,
     if size:
         spec = {"method": "oracle", "mode": "noise", "num_speculative_tokens": size,
                 "tree_size": size}
-    llm = LLM(model=model, dtype=dtype, max_model_len=512, enforce_eager=eager, seed=0,
+    max_len = max(512, prompt_tokens + steps + size + 64)
+    llm = LLM(model=model, dtype=dtype, max_model_len=max_len, enforce_eager=eager, seed=0,
               speculative_config=spec, max_num_seqs=max(batch, 1), kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES,
               max_num_batched_tokens=max(2048, batch * (size + 1) + 256))
     prompts = [TokensPrompt(prompt_token_ids=[(17 * i + 7 * j) % 4000 + 100
-                                              for j in range(100)]) for i in range(batch)]
+                                              for j in range(prompt_tokens)])
+               for i in range(batch)]
 
     def run(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -67,6 +72,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true",
                     help="vLLM's eager mode instead of the compiled model (the default)")
+    ap.add_argument("--prompt-tokens", type=int, default=100,
+                    help="context of every request before the timed steps (default 100)")
     ap.add_argument("--out", default="verify_cost.json")
     ap.add_argument("--plot", default="verify_cost.png")
     args = ap.parse_args()
@@ -87,7 +94,8 @@ def main() -> None:
             # small steps are noisy, big ones slow: about 4k verified tokens per point
             n_steps = max(3, min(args.steps, 4096 // (b * (s + 1))))
             with ctx.Pool(1) as pool:
-                step = pool.apply(_measure, (model, args.dtype, b, s, n_steps, args.eager))
+                step = pool.apply(_measure, (model, args.dtype, b, s, n_steps, args.eager,
+                                             args.prompt_tokens))
             rec = {"batch_size": b, "tree_size": s, "step_ms": step * 1000, "steps": n_steps,
                    "tokens_per_step": b * (s + 1)}
             records.append(rec)
@@ -96,6 +104,7 @@ def main() -> None:
     for r in records:
         r["relative_to_plain"] = r["step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else None
     meta = {"model": model, "dtype": args.dtype, "steps": args.steps,
+            "prompt_tokens": args.prompt_tokens,
             "enforce_eager": args.eager, "machine": machine,
             "seconds": time.time() - t_start}
     with open(args.out, "w") as f:
@@ -120,7 +129,7 @@ def _plot(records, path, meta) -> None:
     ax.set_ylabel("step time / plain decoding step")
     mode = "eager" if meta.get("enforce_eager", True) else "compiled"
     ax.set_title(f"Verification cost, {os.path.basename(meta['model'])} {meta['dtype']} "
-                 f"({mode})")
+                 f"({mode}, {meta.get('prompt_tokens', 100)}-token context)")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
