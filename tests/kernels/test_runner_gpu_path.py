@@ -9,7 +9,7 @@ layer cache); only the final scatter kernel it calls (CUDA's
 ``reshape_and_cache_flash`` / the Triton one vLLM disables on CPU) is replaced
 by the same scatter in torch. Then the attention wrapper's GPU path runs the
 Triton tree kernel (interpreter) on that cache and its rows are compared with
-the CPU path's attention (``masked_tree_attention``) on the original K/V, and
+the reference attention (``tests/runner/reference_attention.py``) on the original K/V, and
 the accepted-path KV move (``kv_move`` kernel, interpreter) is checked slot by
 slot through the backend's own split.
 """
@@ -133,10 +133,10 @@ def _write(b, caches, write):
 
 
 def _expected_rows(b):
-    """The CPU path's attention of each tree row, from the original K/V: the
+    """The reference attention of each tree row, from the original K/V: the
     context is every cached token before the root (earlier steps' plus the
     rows scheduled ahead of it this step)."""
-    from vllm_specplug.runner.tree_attention import masked_tree_attention
+    from tests.runner.reference_attention import masked_tree_attention
 
     out = {}
     for r in b.rows:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.runner.tree_attention import masked_tree_attention
+from tests.runner.reference_attention import masked_tree_attention
 
 H, HKV, D, BS = 4, 2, 32, 16
 
@@ -41,7 +41,8 @@ def test_root_rows_follow_vllm_logits_indices():
 
 
 def test_masked_tree_attention_matches_per_query_softmax():
-    """The CPU path's attention against a plain loop over queries and heads."""
+    """The reference attention (on gathered K/V) against a plain loop over
+    queries and heads."""
     g = torch.Generator().manual_seed(3)
     n, c = 6, 37
     tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 0, 1, -1, 4])

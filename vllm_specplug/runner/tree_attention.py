@@ -9,9 +9,9 @@ attention forward (``unified_kv_cache_update``), so when the wrapper runs
 every tree row's K/V already sits at its linear slot:
 
 - CPU (``cpu_tree_rows``): context keys (positions before the root) are read
-  from the paged cache block by block (``paged_tree_attention``), in the
-  layout checked once at start-up by a round trip through the backend's own
-  writer (``read_context_kv``); the step's own keys (root + nodes) come
+  from the paged cache block by block (``context_blocks``), in the layout
+  checked once at start-up by a round trip through the backend's own writer
+  (``read_context_kv``, built on the same reader); the step's own keys (root + nodes) come
   straight from the layer's inputs.
 - GPU (``gpu_tree_rows``, FLASH_ATTN/TRITON_ATTN): the Triton tree kernel
   reads every key (context, root, nodes) from the cache, split exactly as the
@@ -141,57 +141,38 @@ def slot_views(kv_cache: torch.Tensor, head_size: int, layout: str):
 CPU_KV_LAYOUTS = ("k_transposed", "plain")
 
 
+def context_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the cache blocks holding positions ``0 .. length-1``: keys
+    as ``K^T [nblk, kv_heads, head, block_size]`` (a ``k_transposed`` key
+    block already is ``K^T``), values ``[nblk, kv_heads, block_size, head]``.
+    The one reader of the CPU cache: the tree rows use it every layer, and
+    the runner's start-up round trip proves it (through ``read_context_kv``).
+    """
+    nblk = (length + k_cache.shape[2] - 1) // k_cache.shape[2]
+    ids = block_ids[:nblk].long()
+    kb = k_cache.index_select(0, ids)  # [nblk, kvh, bs, d] as stored
+    if layout == "k_transposed":
+        n, kvh, bs, d = kb.shape
+        kt = kb.view(n, kvh, d, bs)  # the same bytes, read as [kvh, d, bs]
+    else:
+        kt = kb.transpose(2, 3)
+    return kt, v_cache.index_select(0, ids)
+
+
 def read_context_kv(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
     layout: str = "k_transposed",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions ``0 .. length-1``, each ``[length, kv_heads, head]``."""
-    k_cache, v_cache = cpu_split_cache(kv_cache)
-    block_size = k_cache.shape[2]
-    nblk = (length + block_size - 1) // block_size
-    ids = block_ids[:nblk].long()
-
-    def gather(cache: torch.Tensor, transposed: bool) -> torch.Tensor:
-        blocks = cache.index_select(0, ids)  # [nblk, kvh, bs, d] as stored
-        n, kvh, bs, d = blocks.shape
-        if transposed:
-            # Same bytes, read as [kvh, d, bs].
-            blocks = blocks.reshape(n, kvh, d, bs).transpose(2, 3)
-        return blocks.permute(0, 2, 1, 3).reshape(n * bs, kvh, d)[:length]
-
-    return gather(k_cache, layout == "k_transposed"), gather(v_cache, False)
-
-
-def masked_tree_attention(
-    q: torch.Tensor,
-    k_ctx: torch.Tensor,
-    v_ctx: torch.Tensor,
-    k_step: torch.Tensor,
-    v_step: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of tree nodes.
-
-    q ``[n, H, D]``; k/v_ctx ``[c, Hkv, D]`` (all visible); k/v_step
-    ``[n+1, Hkv, D]`` (root + nodes, visible per ``mask [n, n+1]``).
-    Returns ``[n, H, D]`` in q's dtype; softmax in float32. Query heads are
-    grouped per KV head so K/V are never repeated (two bmm per call: on one
-    CPU thread this beats SDPA and einsum several times for these shapes).
-    """
-    n, h, d = q.shape
-    hkv = k_step.shape[1]
-    rep = h // hkv
-    k = torch.cat([k_ctx, k_step]).float().permute(1, 2, 0)  # [Hkv, D, T]
-    v = torch.cat([v_ctx, v_step]).float().transpose(0, 1)  # [Hkv, T, D]
-    qg = q.float().view(n, hkv, rep, d).permute(1, 0, 2, 3).reshape(hkv, n * rep, d)
-    scores = torch.bmm(qg, k).mul_(scale).view(hkv, n, rep, -1)
-    visible = torch.ones(n, k.shape[2], dtype=torch.bool, device=q.device)
-    visible[:, k_ctx.shape[0]:] = mask
-    scores.masked_fill_(~visible[None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(hkv, n * rep, -1)
-    out = torch.bmm(probs, v).view(hkv, n, rep, d).permute(1, 0, 2, 3)
-    return out.reshape(n, h, d).to(q.dtype)
+    """K and V of positions ``0 .. length-1``, each ``[length, kv_heads, head]``
+    (``context_blocks`` laid out by position)."""
+    kt, vb = context_blocks(*cpu_split_cache(kv_cache), block_ids, length, layout)
+    n, kvh, d, bs = kt.shape
+    k = kt.permute(0, 3, 1, 2).reshape(n * bs, kvh, d)[:length]
+    v = vb.permute(0, 2, 1, 3).reshape(n * bs, kvh, d)[:length]
+    return k, v
 
 
 class TreeAttentionWrapper:
@@ -245,28 +226,20 @@ def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
 def paged_tree_attention(q, k_cache, v_cache, block_ids, context_len: int,
                          k_step, v_step, step_bias, scale: float, layout: str):
     """Tree nodes' attention with the context read block by block from vLLM's
-    CPU cache (what :func:`masked_tree_attention` computes from gathered K/V).
+    CPU cache (``context_blocks``).
 
     q ``[n, H, D]``; ``k_cache``/``v_cache`` as :func:`cpu_split_cache` gives
     them; k/v_step ``[n+1, Hkv, D]`` (root + nodes); ``step_bias`` ``[n, n+1]``
     float, 0 where a node sees a step row and -inf where not. Each context
-    block is copied once (``index_select``) and multiplied where it lies: a
-    ``k_transposed`` key block already is the ``K^T`` a product needs. The
+    block is copied once and multiplied where it lies. The
     gather-then-concatenate way copied the context 3-4 times per layer (at a
     1000-token context: 1.5 ms vs 0.4 ms a layer here, x30 layers a step).
     """
     n, h, d = q.shape
     hkv = k_step.shape[1]
     rep = h // hkv
-    bs = k_cache.shape[2]
-    nblk = (context_len + bs - 1) // bs
-    ids = block_ids[:nblk].long()
-    kb = k_cache.index_select(0, ids)  # [nblk, Hkv, bs, D] as stored
-    if layout == "k_transposed":
-        kt = kb.view(nblk, hkv, d, bs)  # the same bytes: K^T per block
-    else:
-        kt = kb.transpose(2, 3)
-    vb = v_cache.index_select(0, ids)  # [nblk, Hkv, bs, D]
+    kt, vb = context_blocks(k_cache, v_cache, block_ids, context_len, layout)
+    nblk, bs = kt.shape[0], kt.shape[3]
     if context_len < nblk * bs:
         # the last block's unused slots hold whatever the cache held (even
         # NaN): their weight is 0, and 0 * NaN is NaN
