@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from vllm_specplug.eagle3.model import Eagle3Draft
 from vllm_specplug.sources.template import TreeTemplate
+from vllm_specplug.engine.stats import ema
 from vllm_specplug.engine.tree import DraftTree
 
 BLOCK = 16
@@ -455,9 +456,8 @@ class Eagle3Runtime:
             self.stats.head_rows += int(alive.sum()) * k_new
             self.stats.head_passes += 1
             if timed:
-                dt = time.perf_counter() - t_level
-                old = self.level_seconds
-                self.level_seconds = dt if old is None else old + 0.2 * (dt - old)
+                self.level_seconds = ema(self.level_seconds,
+                                         time.perf_counter() - t_level, 0.2)
             front_score = nxt_score
             front_cand = nxt + n_cand
             n_cand += c_tok.shape[1]

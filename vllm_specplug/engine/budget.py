@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_specplug.engine.stats import ema
 from vllm_specplug.engine.tree import DraftTree
 
 
@@ -309,14 +310,11 @@ class DraftGate:
             if on is not None and n and requests > 0:
                 equiv = off + (seconds - off) * n / requests  # at n requests
                 if equiv < on:
-                    self.propose_seconds[True] = on + self.alpha * (equiv - on)
+                    self.propose_seconds[True] = ema(on, equiv, self.alpha)
             return
-        old = self.propose_seconds[drafted]
-        self.propose_seconds[drafted] = (
-            seconds if old is None else old + self.alpha * (seconds - old))
+        self.propose_seconds[drafted] = ema(self.propose_seconds[drafted], seconds, self.alpha)
         if drafted:
-            n = self.drafting_requests
-            self.drafting_requests = requests if n is None else n + self.alpha * (requests - n)
+            self.drafting_requests = ema(self.drafting_requests, requests, self.alpha)
 
     @property
     def draft_seconds(self) -> float:

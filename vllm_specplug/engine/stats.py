@@ -88,6 +88,12 @@ class TreeStats:
         return d
 
 
+def ema(old: float | None, x: float, alpha: float) -> float:
+    """Exponential moving average: ``x`` moves ``old`` by ``alpha`` of the
+    difference (``x`` itself when there is no ``old`` yet)."""
+    return x if old is None else old + alpha * (x - old)
+
+
 class RunningStat:
     """Count / mean / min / max / last of a stream of durations (seconds)."""
 

@@ -27,12 +27,10 @@ def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def prepare_cpu_linears(module: torch.nn.Module) -> int:
     """Route every CPU ``nn.Linear`` of ``module`` through vLLM's CPU GEMM
-    dispatch; returns how many were routed (0 if vLLM offers none here).
+    dispatch; returns how many were routed.
     The weights stay in place (training code and state dicts still see them)."""
-    try:
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    except ImportError:  # pragma: no cover - pinned vLLM has it
-        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
     n = 0
     for layer in module.modules():
         if not isinstance(layer, torch.nn.Linear) or layer.weight.device.type != "cpu":
