@@ -100,6 +100,27 @@ def _method_delta(before: dict, after: dict, counters: list[str],
     return out
 
 
+def _budget_delta(before: dict, after: dict) -> dict:
+    """The cost-aware budget's stats over one suite: its counters
+    (``BudgetStats``) as differences, its estimates (step-cost curve,
+    acceptance, calibration) as of the end of the suite."""
+    import dataclasses
+
+    from vllm_specplug.engine.budget import BudgetStats
+
+    counters = {f.name for f in dataclasses.fields(BudgetStats)}
+    out = {}
+    for k, v in after.items():
+        if k not in counters:
+            out[k] = v
+        elif isinstance(v, dict):
+            prev = before.get(k, {})
+            out[k] = {n: c - prev.get(n, 0) for n, c in v.items() if c - prev.get(n, 0)}
+        else:
+            out[k] = v - before.get(k, 0)
+    return out
+
+
 def _stats_delta(before: dict | None, after: dict | None,
                  method: str | None = None) -> dict | None:
     if before is None or after is None:
@@ -111,6 +132,8 @@ def _stats_delta(before: dict | None, after: dict | None,
             continue
         if key == "method" and isinstance(value, dict) and isinstance(prev, dict):
             out[key] = _method_delta(prev, value, after.get("method_counters", []), method)
+        elif key == "budget" and isinstance(value, dict) and isinstance(prev, dict):
+            out[key] = _budget_delta(prev, value)
         elif isinstance(value, (int, float)) and isinstance(prev, (int, float)):
             out[key] = value - prev
         elif isinstance(value, dict) and isinstance(prev, dict) and all(

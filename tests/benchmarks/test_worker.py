@@ -34,3 +34,20 @@ def test_declared_counters_are_subtracted_everything_else_kept():
     after = {"method": {"n": 4, "size": 5, "query": {"n": 9}}, "method_counters": ["n"]}
     m = _stats_delta(before, after, "ngram")["method"]
     assert m == {"n": 3, "size": 5, "query": {"n": 9}}
+
+
+def test_budget_counters_are_per_suite_estimates_as_of_the_end():
+    # the budget's stats over a suite: counters (steps, nodes, expected vs
+    # realised, size histogram) as differences; the learned curve and
+    # calibration are estimates, kept as they stand after the suite
+    before = {"budget": {"steps": 10, "expected_accepted": 4.0, "realised_accepted": 3,
+                         "size_hist": {0: 5, 3: 5}, "calibration": 0.9,
+                         "step_ms_by_rows": {"1": 30.0}}}
+    after = {"budget": {"steps": 25, "expected_accepted": 10.5, "realised_accepted": 8,
+                        "size_hist": {0: 12, 3: 5, 4: 3}, "calibration": 0.8,
+                        "step_ms_by_rows": {"1": 31.0, "4": 40.0}}}
+    b = _stats_delta(before, after)["budget"]
+    assert b["steps"] == 15 and b["realised_accepted"] == 5
+    assert b["expected_accepted"] == 6.5
+    assert b["size_hist"] == {0: 7, 4: 3}
+    assert b["calibration"] == 0.8 and b["step_ms_by_rows"] == {"1": 31.0, "4": 40.0}

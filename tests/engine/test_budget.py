@@ -268,3 +268,67 @@ def test_exploring_step_is_judged_against_one_requests_drafting():
     _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
     assert choice.sizes == [1]
     assert ctl.draft_now() and not ctl.exploring  # it paid: open again
+
+
+def test_calibration_scales_optimistic_estimates_down_never_up():
+    # the model says 0.9 for a one-node tree at depth 1; the kept trees
+    # realise 0.3 of that. After enough evidence the controller expects
+    # ~0.3 per node, and a node of 0.9 no longer pays for a row costing
+    # half a plain step; a pessimistic model is left alone.
+    def ctl_for(p, row_ms):
+        model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
+        model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
+        cost = StepCost()
+        cost.observe(1, 0.100)
+        cost.observe(2, 0.100 + row_ms / 1e3)
+        return BudgetController(model, cost)
+
+    def steps(ctl, n, accepted):
+        for step in range(n):
+            rid = f"r{step}"  # fresh requests: the engine-wide estimate only
+            _, choice = ctl.choose([rid], [DraftTree([5], [-1])], [3], rows=1)
+            assert choice.sizes == [1]
+            ctl.learn(rid, np.arange(3), accepted=accepted(step))
+            ctl.forget(rid)
+
+    ctl = ctl_for(0.9, 5.0)  # a row at 5 ms: worth it at any calibration here
+    steps(ctl, 300, lambda step: int(step % 10 < 3))
+    assert ctl.calibration == pytest.approx(0.3 / 0.9, abs=0.05)
+    _, choice = ctl.choose(["x"], [DraftTree([5], [-1])], [3], rows=1)
+    assert choice.expected_accepted[0] == pytest.approx(0.9 * ctl.calibration)
+    assert ctl.as_dict()["calibration"] == pytest.approx(ctl.calibration, abs=1e-3)
+    for _ in range(30):  # rows get dear: 1.9 / 150 ms would pay, 1.3 does not
+        ctl.cost.observe(2, 0.150)
+    _, choice = ctl.choose(["y"], [DraftTree([5], [-1])], [3], rows=1)
+    assert choice.sizes == [0]
+
+    ctl = ctl_for(0.6, 5.0)  # realises more than the model says: not scaled up
+    steps(ctl, 50, lambda step: 1)
+    assert ctl.calibration == 1.0
+
+
+def test_exploring_takes_a_bounded_share_of_the_time():
+    # exploring steps cost 40 ms (a head's catch-up) against 40 ms plain
+    # steps: at a 2 % share the gate skips at least 50 steps between them
+    ctl = _one_node_controller(0.05, 50.0)
+    ctl.gate.judge(False, 0.040)
+    assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
+    ctl.observe_propose(0.040, drafted=True, requests=1)
+    assert ctl.gate.explore_seconds == pytest.approx(0.040)
+    ctl.gate.judge(False, 0.040)
+    seen = [ctl.draft_now() for _ in range(51)]
+    assert seen == [False] * 50 + [True]
+
+
+def test_an_exploring_step_that_pays_does_not_end_the_back_off():
+    # one request's exploring pays, the batch's drafting next step does not:
+    # the back-off goes on doubling instead of starting again at 2
+    ctl = _one_node_controller(0.05, 50.0)
+    ctl.gate.judge(False)  # skip 2
+    ctl.gate.judge(False)  # skip 4
+    assert [ctl.draft_now() for _ in range(5)] == [False] * 4 + [True]
+    assert ctl.exploring
+    ctl.gate.judge(True)
+    assert ctl.draft_now() and not ctl.exploring  # open
+    ctl.gate.judge(False)
+    assert [ctl.draft_now() for _ in range(9)] == [False] * 8 + [True]

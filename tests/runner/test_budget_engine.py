@@ -20,7 +20,10 @@ def test_noise_trees_are_cut_to_nothing(ref_model):
         stats = llm.collective_rpc("specplug_stats")[0]
     b = stats["budget"]
     assert b["steps"] > 40
-    assert b["proposed_nodes"] >= 8 * b["steps"] - 16
+    # every step the gate let draft proposed its full tree (a closed gate
+    # asks for none: noise never pays, so most steps are gated)
+    assert b["gated_steps"] > b["steps"] // 2
+    assert b["proposed_nodes"] >= 8 * (b["steps"] - b["gated_steps"]) - 16
     # after the first steps (no step time known yet, the prior acceptance of
     # 0.3 being unlearned) it verifies a small share of what is proposed: a
     # node or two where an extra row is nearly free on this CPU. How many

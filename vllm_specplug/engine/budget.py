@@ -22,6 +22,9 @@ equals it). From those outcomes the controller keeps
 ``P(accepted | parent accepted)`` by depth and sibling rank, for the whole
 engine and per request (shrunk toward the engine's figure while a request has
 few observations); a node's acceptance is the product along its path.
+Where the trees the controller kept realise fewer tokens than it expected
+(the cut selects the nodes whose estimates are high, luck included), every
+estimate is scaled by realised/expected (never up).
 
 Step time: knots over the number of verified rows, each an exponential
 moving average of the decode steps measured there. Where no step has been
@@ -39,7 +42,9 @@ methods still extend their state). A closed gate lets one request (round
 robin) draft in an exploring step after 2, 4, ... up to ``max_skip`` steps,
 so the acceptance estimates stay fresh and the gate opens again when drafts
 start to pay; drafting's cost is measured per request asked, so one
-request's exploring is judged against one request's drafting.
+request's exploring is judged against one request's drafting. Exploring
+also pays a head's catch-up, so the skips are stretched until exploring
+takes at most ``explore_share`` of the time.
 """
 
 from __future__ import annotations
@@ -273,9 +278,21 @@ class BudgetStats:
 class DraftGate:
     """Whether the next step should draft at all (see the module docstring)."""
 
-    def __init__(self, alpha: float = 0.2, max_skip: int = 32) -> None:
+    def __init__(self, alpha: float = 0.2, max_skip: int = 32,
+                 explore_share: float = 0.02, max_explore_skip: int = 512) -> None:
         self.alpha = alpha
         self.max_skip = max_skip
+        self.explore_share = explore_share
+        """At most this share of a closed gate's time goes to exploring: a
+        step that explores costs its drafting *and* the catch-up of what a
+        head held meanwhile (tens of ms at batch 8 on a CPU), so exploring
+        every ``max_skip`` steps alone could cost more than the 3 % a user
+        notices."""
+        self.max_explore_skip = max_explore_skip
+        """Longest run of skipped steps the share allows (the estimates must
+        not go stale for ever)."""
+        self.explore_seconds: float | None = None
+        """Proposer time of an exploring step, catch-up included (EMA)."""
         self.propose_seconds: dict[bool, float | None] = {True: None, False: None}
         """Proposer time per step (EMA), drafting / not drafting."""
         self.drafting_requests: float | None = None
@@ -296,6 +313,8 @@ class DraftGate:
         for how many requests."""
         follows_gap = drafted and not self._drafted_last
         self._drafted_last = drafted
+        if drafted and self.exploring:
+            self.explore_seconds = ema(self.explore_seconds, seconds, self.alpha)
         if follows_gap:
             # The first draft after no-draft steps also feeds a head the
             # rows it held meanwhile (one batched catch-up): counting it
@@ -334,14 +353,24 @@ class DraftGate:
         n = self.drafting_requests
         return self.draft_seconds * (requests / n if n else 1.0)
 
-    def judge(self, pays: bool) -> None:
-        """After a drafted step: did its best cut pay for the drafting?"""
+    def judge(self, pays: bool, step_seconds: float = 0.0) -> None:
+        """After a drafted step: did its best cut pay for the drafting?
+        ``step_seconds``: a plain step's time (bounds exploring's share)."""
         if pays:
-            self.open, self._backoff = True, 1
-        else:
-            self.open = False
-            self._backoff = min(2 * self._backoff, self.max_skip)
-            self._skip = self._backoff
+            self.open = True
+            if not self.exploring:
+                # only a whole batch's drafting that pays ends the back-off:
+                # one request's exploring may pay where the batch's does not
+                # (seen at batch 8: explore pays, the next step's drafting
+                # for all does not, back to skipping 2 steps, again and again)
+                self._backoff = 1
+            return
+        self.open = False
+        self._backoff = min(2 * self._backoff, self.max_skip)
+        self._skip = self._backoff
+        if self.explore_seconds and step_seconds > 0:
+            floor = self.explore_seconds / (self.explore_share * step_seconds)
+            self._skip = max(self._skip, min(int(np.ceil(floor)), self.max_explore_skip))
 
     def draft_now(self) -> bool:
         """Ask the method for drafts this step? (exploring once a closed
@@ -367,7 +396,15 @@ class BudgetController:
         self.gate = gate or DraftGate()
         self.max_pending = max_pending
         self._pending: dict[str, list[tuple[int, DraftTree]]] = {}
-        self._expected: dict[str, float] = {}
+        self._expected: dict[str, tuple[float, float]] = {}  # (model's, chosen on)
+        # Calibration: the acceptance model's expected accepted tokens of the
+        # kept trees vs what they realised (decayed sums). The model can be
+        # optimistic where the cut selects (a request's few lucky outcomes
+        # make its estimate high: seen 0.6 realised per expected at batch 8
+        # on summarization); only ever scaled down, so a calibrated
+        # controller drafts no more than the model alone would.
+        self._cal_expected, self._cal_realised = 0.0, 0.0
+        self._cal_decay = 0.5 ** (1.0 / 500)
         self.stats = BudgetStats()
 
     # -------------------------------------------------------------- learning
@@ -377,7 +414,10 @@ class BudgetController:
         verified tree of this request accepted (for expected-vs-realised)."""
         if accepted is not None and req_id in self._expected:
             self.stats.realised_accepted += accepted
-            self._expected.pop(req_id)
+            model, _ = self._expected.pop(req_id)
+            d = self._cal_decay
+            self._cal_expected = d * self._cal_expected + model
+            self._cal_realised = d * self._cal_realised + accepted
         pending = self._pending.get(req_id)
         if not pending:
             return
@@ -390,6 +430,12 @@ class BudgetController:
             else:
                 left.append((root_len, tree))
         self._pending[req_id] = left[-self.max_pending:]
+
+    @property
+    def calibration(self) -> float:
+        """Realised per expected accepted token of the kept trees, at most 1
+        (5 tokens of prior evidence at 1)."""
+        return min(1.0, (self._cal_realised + 5.0) / (self._cal_expected + 5.0))
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
@@ -438,13 +484,14 @@ class BudgetController:
             depths = tree.depths()
             cand.extend((-float(p[i]), int(depths[i]), j, i) for i in range(len(tree)))
         cand.sort()
+        cal = self.calibration
         keep = [np.zeros(len(t), dtype=bool) if t is not None else None for t in trees]
         # rows is 0 in a step of prompt chunks only (nothing to draft for)
         plain = rows / self.cost(rows) if self.cost.known and rows > 0 else 0.0
         best_k, best_rate, gain = 0, plain, float(rows)
         order: list[tuple[int, int]] = []
         for k, (neg_p, _, j, i) in enumerate(cand, 1):
-            gain += -neg_p
+            gain += -neg_p * cal
             order.append((j, i))
             if not self.cost.known:
                 best_k = k  # no timing yet: verify everything, learn its cost
@@ -456,11 +503,11 @@ class BudgetController:
             keep[j][i] = True
         if self.cost.known and rows > 0 and cand:
             # would this step's best cut have paid for the drafting as well?
-            best_gain = rows + sum(-c[0] for c in cand[:best_k])
+            best_gain = rows + cal * sum(-c[0] for c in cand[:best_k])
             drafted = sum(1 for t in trees if t is not None and len(t))
             with_draft = best_gain / (self.cost(rows + best_k)
                                       + self.gate.draft_cost(drafted))
-            self.gate.judge(best_k > 0 and with_draft > plain)
+            self.gate.judge(best_k > 0 and with_draft > plain, self.cost(rows))
         out: list[DraftTree | None] = []
         sizes, expected = [], []
         for j, (rid, tree) in enumerate(zip(req_ids, trees)):
@@ -473,11 +520,12 @@ class BudgetController:
             # likely than its parent (ties: shallower first), so the kept set
             # is closed under parents
             cut = subtree(tree, keep[j])
-            exp = float(probs[j][keep[j]].sum())
+            model = float(probs[j][keep[j]].sum())
+            exp = cal * model
             out.append(cut)
             sizes.append(len(cut))
             expected.append(exp)
-            self._expected[rid] = exp
+            self._expected[rid] = (model, exp)
         self._record(sizes, expected, sum(len(t) for t in trees if t is not None))
         return out, Choice(sizes, expected, best_rate, plain)
 
@@ -497,5 +545,7 @@ class BudgetController:
         d["size_hist"] = dict(self.stats.size_hist)
         d["step_ms_by_rows"] = self.cost.as_dict()
         d["draft_ms"] = round(1e3 * self.gate.draft_seconds, 3)
+        d["explore_ms"] = round(1e3 * (self.gate.explore_seconds or 0.0), 3)
+        d["calibration"] = round(self.calibration, 3)
         d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
         return d

@@ -122,8 +122,8 @@ class Eagle3TreeProposer(Proposer):
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
         self._steps = 0
         # Verified rows a request has not fed the head yet, as (first
-        # position, [aux chunks]): see extend().
-        self._deferred: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        # position, [aux chunks], rows): see extend().
+        self._deferred: dict[str, tuple[int, list[torch.Tensor], int]] = {}
 
     def needs(self) -> Needs:
         return Needs(aux_layers=self.aux_layers)
@@ -153,28 +153,30 @@ class Eagle3TreeProposer(Proposer):
         for r in batch:
             if r.aux_hidden is None:
                 continue
-            pos, chunks = r.verified_pos, [r.aux_hidden]
-            first, held = self._deferred.pop(r.req_id, (pos, []))
-            n_held = sum(int(c.shape[0]) for c in held)
-            if first <= pos <= first + n_held:
-                # catch up: the held rows before this step's, minus any the
-                # target recomputed (they come again in this step's rows)
+            pos, chunks, n_rows = r.verified_pos, [r.aux_hidden], int(r.aux_hidden.shape[0])
+            first, held, n_held = self._deferred.pop(r.req_id, (pos, [], 0))
+            if pos == first + n_held:
+                # the usual case: this step's rows follow the held ones
+                pos, chunks, n_rows = first, held + chunks, n_held + n_rows
+            elif first <= pos < first + n_held:
+                # the target recomputed some held rows (they come again in
+                # this step's): keep only the held rows before them
                 keep, out = pos - first, []
                 for c in held:
                     take = min(keep, int(c.shape[0]))
                     if take:
                         out.append(c[:take])
                     keep -= take
-                pos, chunks = first, out + chunks
+                pos, chunks, n_rows = first, out + chunks, (pos - first) + n_rows
             # (a gap: the held rows are dropped; the runtime fills gaps from
             # its prefix store or stops drafting for the request)
-            held_rows = sum(int(c.shape[0]) for c in chunks)
-            if r.sampled and r.budget <= 0 and held_rows <= self.config.max_held_rows:
+            if r.sampled and r.budget <= 0 and n_rows <= self.config.max_held_rows:
                 # No draft asked this step (the cost-aware gate, or the
                 # context's end): hold the rows and feed them, in one batched
                 # pass, when a draft is asked. A gated request costs no head
-                # pass at all (until it holds more than max_held_rows).
-                self._deferred[r.req_id] = (pos, chunks)
+                # pass at all (until it holds more than max_held_rows), and
+                # holding is O(1) a step (a gated step must cost nothing).
+                self._deferred[r.req_id] = (pos, chunks, n_rows)
                 continue
             aux = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             items.append((r.req_id, pos, r.token_ids, aux))
