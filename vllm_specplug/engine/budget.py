@@ -413,7 +413,7 @@ class BudgetController:
         self.gate = gate or DraftGate()
         self.max_pending = max_pending
         self._pending: dict[str, list[tuple[int, DraftTree]]] = {}
-        self._expected: dict[str, tuple[float, float]] = {}  # (model's, chosen on)
+        self._expected: dict[str, float] = {}  # the model's, uncalibrated
         # Calibration: the acceptance model's expected accepted tokens of the
         # kept trees vs what they realised (decayed sums). The model can be
         # optimistic where the cut selects (a request's few lucky outcomes
@@ -431,7 +431,7 @@ class BudgetController:
         verified tree of this request accepted (for expected-vs-realised)."""
         if accepted is not None and req_id in self._expected:
             self.stats.realised_accepted += accepted
-            model, _ = self._expected.pop(req_id)
+            model = self._expected.pop(req_id)
             d = self._cal_decay
             self._cal_expected = d * self._cal_expected + model
             self._cal_realised = d * self._cal_realised + accepted
@@ -547,7 +547,7 @@ class BudgetController:
             out.append(cut)
             sizes.append(len(cut))
             expected.append(exp)
-            self._expected[rid] = (model, exp)
+            self._expected[rid] = model
         self._record(sizes, expected, sum(len(t) for t in trees if t is not None))
         return out, Choice(sizes, expected, best_rate, plain)
 

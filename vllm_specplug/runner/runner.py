@@ -237,6 +237,14 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.special.entr(torch.softmax(logits.float(), dim=-1)).sum(-1)
 
 
+def _topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` softmax probabilities and ids of each row, in float32: the
+    softmax of the top-k only (no second ``[rows, vocab]`` tensor)."""
+    lg = logits.float()
+    top, ids = lg.topk(min(k, lg.shape[-1]), dim=-1)
+    return torch.exp(top - torch.logsumexp(lg, -1, keepdim=True)), ids
+
+
 def _chain_only(sp) -> bool:
     """Sampling that vLLM's chain verifier handles with per-path context
     (penalties, bad words, logits processors, structured output...)."""
@@ -531,10 +539,7 @@ class SpecplugRunnerMixin:
         where = np.full(n_rows, -1, dtype=np.int64)
         where[sel] = np.arange(len(sel))
         idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
-        lg = logits.index_select(0, idx).float()
-        top, ids = lg.topk(min(k, lg.shape[-1]), dim=-1)
-        # softmax of the top-k only (no second [rows, vocab] tensor)
-        vals = torch.exp(top - torch.logsumexp(lg, -1, keepdim=True))
+        vals, ids = _topk_probs(logits.index_select(0, idx), k)
         state.topk = (ids, vals, where)
 
     def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata, state: StepState):
@@ -879,10 +884,9 @@ class SpecplugRunnerMixin:
             t0 = time.perf_counter()
             vs, ts = [], []
             for c in range(0, len(rows), 512):  # bounded memory on long prompts
-                lg = self.model.compute_logits(hidden_states[rows[c:c + 512]]).float()
-                top, t = lg.topk(ids.shape[-1], dim=-1)
-                # softmax of the top-k only (no second [rows, vocab] tensor)
-                vs.append(torch.exp(top - torch.logsumexp(lg, -1, keepdim=True)))
+                v, t = _topk_probs(self.model.compute_logits(hidden_states[rows[c:c + 512]]),
+                                   ids.shape[-1])
+                vs.append(v)
                 ts.append(t)
             v, t = (vs[0], ts[0]) if len(vs) == 1 else (torch.cat(vs), torch.cat(ts))
             sreq.topk_ids, sreq.topk_probs = t, v
