@@ -207,9 +207,14 @@ def test_gate_stays_open_when_drafting_pays_and_reopens():
     # the same controller after a bad spell: closed, then an exploring
     # step whose tree pays opens it again
     ctl.gate.judge(False)
-    assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
+    ctl.gate.judge(False)
+    assert [ctl.draft_now() for _ in range(5)] == [False] * 4 + [True]
     ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
     assert all(ctl.draft_now() for _ in range(10))
+    # at batch 1 the exploring step was the batch's drafting: it paid, so
+    # the back-off starts again at 2
+    ctl.gate.judge(False)
+    assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
 
 
 def test_gate_without_drafting_cost_is_the_cut():
@@ -309,12 +314,17 @@ def test_calibration_scales_optimistic_estimates_down_never_up():
 
 def test_exploring_takes_a_bounded_share_of_the_time():
     # exploring steps cost 40 ms (a head's catch-up) against 40 ms plain
-    # steps: at a 2 % share the gate skips at least 50 steps between them
+    # steps: once the gate has closed three times in a row, at a 2 % share
+    # it skips at least 50 steps between them (before: 2, then 4)
     ctl = _one_node_controller(0.05, 50.0)
+    assert ctl.gate.bound_after == 3
     ctl.gate.judge(False, 0.040)
     assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
     ctl.observe_propose(0.040, drafted=True, requests=1)
     assert ctl.gate.explore_seconds == pytest.approx(0.040)
+    ctl.gate.judge(False, 0.040)
+    assert [ctl.draft_now() for _ in range(5)] == [False] * 4 + [True]
+    ctl.observe_propose(0.040, drafted=True, requests=1)
     ctl.gate.judge(False, 0.040)
     seen = [ctl.draft_now() for _ in range(51)]
     assert seen == [False] * 50 + [True]
@@ -332,6 +342,12 @@ def test_an_exploring_step_that_pays_does_not_end_the_back_off():
     assert ctl.draft_now() and not ctl.exploring  # open
     ctl.gate.judge(False)
     assert [ctl.draft_now() for _ in range(9)] == [False] * 8 + [True]
+    # ... unless the exploring request was the whole batch (batch 1): then
+    # it was the batch's drafting, and it paid
+    ctl.gate.judge(True, whole_batch=True)
+    assert ctl.draft_now() and not ctl.exploring
+    ctl.gate.judge(False)
+    assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
 
 
 def test_side_work_counts_as_drafting_cost():

@@ -43,8 +43,9 @@ robin) draft in an exploring step after 2, 4, ... up to ``max_skip`` steps,
 so the acceptance estimates stay fresh and the gate opens again when drafts
 start to pay; drafting's cost is measured per request asked, so one
 request's exploring is judged against one request's drafting. Exploring
-also pays a head's catch-up, so the skips are stretched until exploring
-takes at most ``explore_share`` of the time. Drafting-only work the runner
+also pays a head's catch-up, so once the gate has closed ``bound_after``
+times in a row the skips are stretched until exploring takes at most
+``explore_share`` of the time. Drafting-only work the runner
 does outside the proposer (a prompt's LM-head pass for methods that learn
 from it) counts as drafting cost too.
 """
@@ -281,7 +282,8 @@ class DraftGate:
     """Whether the next step should draft at all (see the module docstring)."""
 
     def __init__(self, alpha: float = 0.2, max_skip: int = 32,
-                 explore_share: float = 0.02, max_explore_skip: int = 512) -> None:
+                 explore_share: float = 0.02, max_explore_skip: int = 512,
+                 bound_after: int = 3) -> None:
         self.alpha = alpha
         self.max_skip = max_skip
         self.explore_share = explore_share
@@ -293,6 +295,10 @@ class DraftGate:
         self.max_explore_skip = max_explore_skip
         """Longest run of skipped steps the share allows (the estimates must
         not go stale for ever)."""
+        self.bound_after = bound_after
+        """Closings in a row (no whole batch's drafting paying in between)
+        before ``explore_share`` stretches the skips; until then they are
+        2, 4, ... steps."""
         self.explore_seconds: float | None = None
         """Proposer time of an exploring step, catch-up included (EMA)."""
         self.side_seconds: float | None = None
@@ -370,12 +376,15 @@ class DraftGate:
         # exploring step that opens the gate brings it back
         return self.draft_seconds * (requests / n if n else 1.0) + (self.side_seconds or 0.0)
 
-    def judge(self, pays: bool, step_seconds: float = 0.0) -> None:
+    def judge(self, pays: bool, step_seconds: float = 0.0,
+              whole_batch: bool = False) -> None:
         """After a drafted step: did its best cut pay for the drafting?
-        ``step_seconds``: a plain step's time (bounds exploring's share)."""
+        ``step_seconds``: a plain step's time (bounds exploring's share);
+        ``whole_batch``: every decoding request drafted (an exploring step
+        at batch 1 is the batch's drafting)."""
         if pays:
             self.open = True
-            if not self.exploring:
+            if not self.exploring or whole_batch:
                 # only a whole batch's drafting that pays ends the back-off:
                 # one request's exploring may pay where the batch's does not
                 # (seen at batch 8: explore pays, the next step's drafting
@@ -385,7 +394,12 @@ class DraftGate:
         self.open = False
         self._backoff = min(2 * self._backoff, self.max_skip)
         self._skip = self._backoff
-        if self.explore_seconds and step_seconds > 0:
+        # The share bound only after `bound_after` closings without a whole
+        # batch's drafting paying in between: a single step that does not pay
+        # is often one unlucky draft (seen at batch 1: a drafting-bound QA
+        # suite skipping 40+ steps after each, tau 3.1 -> 1.6).
+        if (self._backoff >= 1 << self.bound_after and self.explore_seconds
+                and step_seconds > 0):
             floor = self.explore_seconds / (self.explore_share * step_seconds)
             self._skip = max(self._skip, min(int(np.ceil(floor)), self.max_explore_skip))
 
@@ -529,7 +543,8 @@ class BudgetController:
             drafted = sum(1 for t in trees if t is not None and len(t))
             with_draft = best_gain / (self.cost(rows + best_k)
                                       + self.gate.draft_cost(drafted))
-            self.gate.judge(best_k > 0 and with_draft > plain, self.cost(rows))
+            self.gate.judge(best_k > 0 and with_draft > plain, self.cost(rows),
+                            whole_batch=drafted >= rows)
         out: list[DraftTree | None] = []
         sizes, expected = [], []
         for j, (rid, tree) in enumerate(zip(req_ids, trees)):
