@@ -74,8 +74,29 @@ def test_step_cost_interpolates_and_extrapolates_optimistically():
     assert c(10) == pytest.approx(0.070)  # halfway between 4 and 16
     assert c(64) == pytest.approx(0.100)  # flat above the largest seen
     assert c(2) == pytest.approx(0.020)  # proportional below the smallest seen
-    c.observe(4, 0.060)  # EMA, alpha 0.2
-    assert c(4) == pytest.approx(0.044)
+    c.observe(4, 0.050)  # a knot's second step replaces its first (warm-up)
+    assert c(4) == pytest.approx(0.050)
+    c.observe(4, 0.060)  # then EMA, alpha 0.2
+    assert c(4) == pytest.approx(0.052)
+
+
+def test_step_cost_forgets_a_knot_it_has_not_seen_for_long():
+    # an 8-row step measured at 73 ms (one-time costs) while 1-row steps
+    # cost 28 ms: after `stale_after` steps without an 8-row step the knot
+    # leaves the curve (optimistic there: flat at the largest fresh knot),
+    # and the next 8-row step replaces it
+    c = StepCost(stale_after=10)
+    c.observe(8, 0.073)
+    c.observe(8, 0.073)
+    c.observe(8, 0.073)
+    c.observe(1, 0.028)
+    assert c(8) == pytest.approx(0.073)
+    for _ in range(10):
+        c.observe(1, 0.028)
+    assert c(8) == pytest.approx(0.028)
+    assert set(c.as_dict()) == {"1"}
+    c.observe(8, 0.031)
+    assert c(8) == pytest.approx(0.031)
 
 
 def _closed_subsets(tree: DraftTree):

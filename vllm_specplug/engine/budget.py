@@ -62,10 +62,17 @@ from vllm_specplug.engine.tree import DraftTree
 
 
 class StepCost:
-    """Step time (seconds) vs rows verified in the step, learned online."""
+    """Step time (seconds) vs rows verified in the step, learned online.
+
+    A knot's first step may pay one-time costs (a new shape's kernels: seen
+    73 ms for an 8-row step that then costs ~31 ms), so its second step
+    replaces it instead of averaging with it. The controller only visits the
+    sizes it believes pay, so a knot measured too dear would never be
+    measured again: a knot not observed for ``stale_after`` steps leaves the
+    curve (which is then optimistic there) and its next step replaces it."""
 
     def __init__(self, max_rows: int = 1 << 16, ratio: float = 2 ** 0.25,
-                 alpha: float = 0.2) -> None:
+                 alpha: float = 0.2, stale_after: int = 256) -> None:
         knots, r = [1], 1.0
         while knots[-1] < max_rows:
             r *= ratio
@@ -73,8 +80,14 @@ class StepCost:
                 knots.append(int(round(r)))
         self.knots = knots
         self.alpha = alpha
+        self.stale_after = stale_after
         self.value = np.zeros(len(knots))
         self.count = np.zeros(len(knots), dtype=np.int64)
+        self.last = np.zeros(len(knots), dtype=np.int64)  # clock when observed
+        self.clock = 0  # steps observed
+
+    def _fresh(self) -> np.ndarray:
+        return np.flatnonzero((self.count > 0) & (self.clock - self.last <= self.stale_after))
 
     def _knot(self, rows: int) -> int:
         i = bisect.bisect_left(self.knots, rows)
@@ -88,11 +101,13 @@ class StepCost:
         if rows < 1 or not seconds > 0:
             return
         k = self._knot(rows)
-        if self.count[k] == 0:
+        self.clock += 1
+        if self.count[k] <= 1 or self.clock - self.last[k] > self.stale_after:
             self.value[k] = seconds
         else:
             self.value[k] += self.alpha * (seconds - self.value[k])
         self.count[k] += 1
+        self.last[k] = self.clock
 
     @property
     def known(self) -> bool:
@@ -100,7 +115,7 @@ class StepCost:
 
     def __call__(self, rows: int) -> float:
         """Estimated step time at ``rows``; 0 when nothing was measured yet."""
-        seen = np.flatnonzero(self.count)
+        seen = self._fresh()
         if seen.size == 0:
             return 0.0
         xs = np.asarray(self.knots)[seen].astype(float)
@@ -113,8 +128,7 @@ class StepCost:
         return float(np.interp(rows, xs, ys))
 
     def as_dict(self) -> dict:
-        seen = np.flatnonzero(self.count)
-        return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in seen}
+        return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in self._fresh()}
 
 
 @dataclass
