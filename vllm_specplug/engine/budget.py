@@ -447,9 +447,12 @@ class BudgetController:
         # optimistic where the cut selects (a request's few lucky outcomes
         # make its estimate high: seen 0.6 realised per expected at batch 8
         # on summarization); only ever scaled down, so a calibrated
-        # controller drafts no more than the model alone would.
+        # controller drafts no more than the model alone would. Half-life
+        # 200 kept trees: a workload's change must show within a few
+        # requests (seen: `reader` kept the calibration of QA, where its
+        # deep branch is accepted, on MT-bench, where it is not).
         self._cal_expected, self._cal_realised = 0.0, 0.0
-        self._cal_decay = 0.5 ** (1.0 / 500)
+        self._cal_decay = 0.5 ** (1.0 / 200)
         self.stats = BudgetStats()
 
     # -------------------------------------------------------------- learning
