@@ -51,10 +51,12 @@ def test_prefix_caching_and_chunked_prefill(tiny_model, reference):
 
 def test_preemption(tiny_model, reference):
     prompts, outs, ref_file = reference
-    # 12 blocks of KV for 24 requests of up to 340 tokens: the scheduler
-    # has to preempt and recompute.
+    # 10 blocks of KV (128 tokens each on CPU) for 24 requests of up to 340
+    # tokens: the scheduler has to preempt and recompute. How often varies
+    # between identical runs (seen with 12 blocks: 0-3 preemptions, so this
+    # test failed once in CI; with 10 blocks: 4-8).
     with engine(tiny_model, _spec(ref_file),
-                num_gpu_blocks_override=12) as llm:
+                num_gpu_blocks_override=10) as llm:
         got = greedy(llm, prompts, MAX_TOKENS)
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["preempted"] > 0
