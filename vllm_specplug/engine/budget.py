@@ -85,9 +85,17 @@ class StepCost:
         self.count = np.zeros(len(knots), dtype=np.int64)
         self.last = np.zeros(len(knots), dtype=np.int64)  # clock when observed
         self.clock = 0  # steps observed
+        self._refresh()
 
-    def _fresh(self) -> np.ndarray:
-        return np.flatnonzero((self.count > 0) & (self.clock - self.last <= self.stale_after))
+    def _refresh(self) -> None:
+        # The curve only changes when a step is observed, while the
+        # controller reads it once per candidate node (hundreds a step at
+        # batch 8): keep the fresh knots' points instead of selecting them
+        # on every read.
+        self._seen = np.flatnonzero((self.count > 0)
+                                    & (self.clock - self.last <= self.stale_after))
+        self._xs = np.asarray(self.knots, dtype=float)[self._seen]
+        self._ys = self.value[self._seen]
 
     def _knot(self, rows: int) -> int:
         i = bisect.bisect_left(self.knots, rows)
@@ -108,6 +116,7 @@ class StepCost:
             self.value[k] += self.alpha * (seconds - self.value[k])
         self.count[k] += 1
         self.last[k] = self.clock
+        self._refresh()
 
     @property
     def known(self) -> bool:
@@ -115,11 +124,9 @@ class StepCost:
 
     def __call__(self, rows: int) -> float:
         """Estimated step time at ``rows``; 0 when nothing was measured yet."""
-        seen = self._fresh()
-        if seen.size == 0:
+        xs, ys = self._xs, self._ys
+        if xs.size == 0:
             return 0.0
-        xs = np.asarray(self.knots)[seen].astype(float)
-        ys = self.value[seen]
         if rows >= xs[-1]:
             return float(ys[-1])  # optimistic: no dearer than the largest seen
         if rows <= xs[0]:
@@ -128,7 +135,7 @@ class StepCost:
         return float(np.interp(rows, xs, ys))
 
     def as_dict(self) -> dict:
-        return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in self._fresh()}
+        return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in self._seen}
 
 
 @dataclass
