@@ -12,7 +12,11 @@ mode: nothing is accepted, so every step is one target forward over
 B * (S + 1) tokens plus tree attention, sampling and the draft hand-over).
 Step time = (time for 1 + steps tokens - time for 1 token) / steps, so the
 prefill is left out. S = 0 is plain decoding. Each configuration runs in its
-own process. Methods size their trees from this curve.
+own process; plain decoding's engine stays up beside each tree size's and
+the two are timed in turn ``--repeats`` times: ``relative_to_plain`` is the
+median of those side-by-side ratios (the machine's speed drifts between
+minutes), ``step_ms`` the median step. Methods size their trees from this
+curve.
 
 The engines run compiled, as users get them (``--eager``: vLLM's eager
 mode). Compiled engines share vLLM's compile cache (``VLLM_CACHE_ROOT``), so
@@ -28,8 +32,11 @@ import os
 import time
 
 
-def _measure(model: str, dtype: str, batch: int, size: int, steps: int,
-             eager: bool = False, prompt_tokens: int = 100) -> float:
+def _engine(conn, model: str, dtype: str, batch: int, size: int, steps: int,
+            eager: bool = False, prompt_tokens: int = 100) -> None:
+    """One engine in its own process, timing ``steps`` decode steps each
+    time the parent sends ``"time"`` (answers seconds per step), until
+    ``"stop"``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -55,10 +62,40 @@ def _measure(model: str, dtype: str, batch: int, size: int, steps: int,
         return time.perf_counter() - t0
 
     run(2)  # warm-up
-    t1 = run(1)
-    tn = run(1 + steps)
+    conn.send("ready")
+    while conn.recv() == "time":
+        # the other engine's OpenMP threads spin for a while after its last
+        # step (both cores): let them go to sleep before the clock starts
+        time.sleep(1.0)
+        t1 = run(1)
+        tn = run(1 + steps)
+        conn.send((tn - t1) / steps)
     llm.llm_engine.engine_core.shutdown()
-    return (tn - t1) / steps
+
+
+class _Engine:
+    """The parent's handle on one ``_engine`` process."""
+
+    def __init__(self, ctx, *args) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine, args=(child, *args), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("verify_cost: engine failed to start")
+
+    def time(self) -> float:
+        self.conn.send("time")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(120)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def main() -> None:
@@ -72,6 +109,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true",
                     help="vLLM's eager mode instead of the compiled model (the default)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="side-by-side timings of each tree size and plain decoding "
+                         "(default 5; the ratio is their median)")
     ap.add_argument("--prompt-tokens", type=int, default=100,
                     help="context of every request before the timed steps (default 100)")
     ap.add_argument("--out", default="verify_cost.json")
@@ -90,20 +130,40 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     t_start = time.time()
     for b in batches:
+        # The machine's speed drifts by 10-15 % over minutes (other tenants
+        # of the host): a tree size timed in its own engine minutes after
+        # plain decoding's gave 1.55x and 2.1x for the same code. So plain
+        # decoding's engine stays up while each tree size's engine is
+        # timed in turn with it, `repeats` times, and the ratio is the
+        # median of those side-by-side pairs.
+        plain_steps = max(3, min(args.steps, 4096 // b))
+        plain = _Engine(ctx, model, args.dtype, b, 0, plain_steps, args.eager,
+                        args.prompt_tokens)
         for s in sizes:
             # small steps are noisy, big ones slow: about 4k verified tokens per point
             n_steps = max(3, min(args.steps, 4096 // (b * (s + 1))))
-            with ctx.Pool(1) as pool:
-                step = pool.apply(_measure, (model, args.dtype, b, s, n_steps, args.eager,
-                                             args.prompt_tokens))
+            eng = None if s == 0 else _Engine(ctx, model, args.dtype, b, s, n_steps,
+                                              args.eager, args.prompt_tokens)
+            times, ratios = [], []
+            for _ in range(args.repeats):
+                p = plain.time()
+                t = p if eng is None else eng.time()
+                times.append(t)
+                ratios.append(t / p)
+            if eng is not None:
+                eng.close()
+            step = _median(times)
             rec = {"batch_size": b, "tree_size": s, "step_ms": step * 1000, "steps": n_steps,
-                   "tokens_per_step": b * (s + 1)}
+                   "tokens_per_step": b * (s + 1), "repeats": args.repeats,
+                   "step_ms_repeats": [round(1000 * t, 3) for t in times],
+                   "relative_to_plain": _median(ratios),
+                   "relative_to_plain_repeats": [round(r, 4) for r in ratios]}
             records.append(rec)
-            print(f"batch {b:3d}  tree {s:3d}  step {step * 1000:9.1f} ms", flush=True)
-    base = {r["batch_size"]: r["step_ms"] for r in records if r["tree_size"] == 0}
-    for r in records:
-        r["relative_to_plain"] = r["step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else None
-    meta = {"model": model, "dtype": args.dtype, "steps": args.steps,
+            print(f"batch {b:3d}  tree {s:3d}  step {step * 1000:9.1f} ms  "
+                  f"{rec['relative_to_plain']:.2f}x plain (median of {args.repeats} pairs: "
+                  + ", ".join(f"{r:.2f}" for r in ratios) + ")", flush=True)
+        plain.close()
+    meta = {"model": model, "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats,
             "prompt_tokens": args.prompt_tokens,
             "enforce_eager": args.eager, "machine": machine,
             "seconds": time.time() - t_start}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_specplug.engine.tree import DraftTree
@@ -106,3 +107,104 @@ def test_paged_tree_attention_reads_the_cache_in_both_layouts():
         got = paged_tree_attention(q, k_cache, v_cache, blocks, c, ks, vs, bias,
                                    D ** -0.5, layout)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+
+def _backend_attention(q, key_cache, value_cache, out, qsl, seq_lens, blocks, scale,
+                       heads, kv_heads, d, isa="vec", sched=None):
+    """vLLM's CPU attention kernel, called as ``CPUAttentionBackendImpl`` does."""
+    from vllm import _custom_ops as ops
+
+    if sched is None:
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(seq_lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
+            seq_lens=seq_lens, dtype=torch.float32, query_start_loc=qsl, causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=True)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+        query_start_loc=qsl, seq_lens=seq_lens, scale=scale, causal=True,
+        alibi_slopes=None, sliding_window=-1, block_table=blocks, softcap=0.0,
+        scheduler_metadata=sched, s_aux=None)
+
+
+@pytest.mark.parametrize("compact", [True, False])
+@pytest.mark.parametrize("parents", [[-1, 0, 1, 0, 3, -1], [-1, -1, 1, 0]])
+def test_tree_rows_with_the_backend_kernel(parents, compact):
+    """With real vLLM CPU kernels (``cpu_attn_reshape_and_cache`` writes the
+    cache, ``cpu_attention_with_kv_cache`` attends): a decoding request and a
+    tree request in one step. ``compact``: the backend runs on
+    ``compact_cpu_metadata`` (the tree request ends at its root, the nodes
+    are a dummy request) and ``cpu_tree_rows`` recomputes every node; else
+    the backend attends every row causally and only the nodes after the
+    tree's leading chain are recomputed (the kernel's rows are right for
+    the chain). Every row against the reference."""
+    from vllm import _custom_ops as ops
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    from vllm_specplug.runner.tree_attention import (
+        TreeRow,
+        TreeStep,
+        compact_cpu_metadata,
+        cpu_tree_rows,
+    )
+
+    g = torch.Generator().manual_seed(11)
+    h, hkv, d, bs, nb = 4, 2, 64, 32, 12
+    scale = d ** -0.5
+    tree = DraftTree(list(range(1, len(parents) + 1)), parents)
+    n, c0, c1 = len(tree), 45, 70  # request 0 decodes one token; request 1 verifies a tree
+    lens = [c0 + 1, c1 + 1 + n]
+    block_ids = [torch.tensor([3, 9], dtype=torch.int32), torch.tensor([5, 2, 7], dtype=torch.int32)]
+    kv_cache = torch.zeros(nb, hkv, bs, 2 * d)
+    key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
+    seqs = []
+    for L, ids in zip(lens, block_ids):
+        k, v = torch.randn(L, hkv, d, generator=g), torch.randn(L, hkv, d, generator=g)
+        slots = torch.tensor([int(ids[i // bs]) * bs + i % bs for i in range(L)])
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+        seqs.append((k, v))
+    q = torch.randn(2 + n, h, d, generator=g)  # rows: req 0's token, req 1's root + nodes
+    blocks = torch.zeros(2, 3, dtype=torch.int32)
+    blocks[0, :2], blocks[1] = block_ids[0], block_ids[1]
+    qsl = torch.tensor([0, 1, 2 + n], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = CPUAttentionMetadata(
+        num_actual_tokens=2 + n, max_query_len=1 + n, query_start_loc=qsl,
+        max_seq_len=max(lens), seq_lens=seq_lens, block_table=blocks,
+        slot_mapping=torch.zeros(0, dtype=torch.long), scheduler_metadata=None)
+    mask = torch.from_numpy(tree.ancestor_mask()[1:])
+    a = tree.chain_prefix()
+    row = TreeRow(1, n, c1, 1, mask, chain_prefix=a)
+    impl = SimpleNamespace(num_heads=h, num_kv_heads=hkv, head_size=d, sliding_window=-1,
+                           kv_cache_dtype="auto")
+    out = torch.full((2 + n, h, d), float("nan"))
+    if compact:
+        m = compact_cpu_metadata(meta, [row], impl, "vec", torch.float32)
+        assert m.query_start_loc.tolist() == [0, 1, 2, 2 + n]
+        assert m.seq_lens.tolist() == [c0 + 1, c1 + 1, n]
+        assert m.block_table[1:].tolist() == [blocks[1].tolist()] * 2
+        _backend_attention(q, key_cache, value_cache, out, m.query_start_loc, m.seq_lens,
+                           m.block_table, scale, h, hkv, d, sched=m.scheduler_metadata)
+        own = 2  # rows the kernel computed right: req 0's, the root
+    else:
+        _backend_attention(q, key_cache, value_cache, out, qsl, seq_lens, blocks, scale,
+                           h, hkv, d)
+        own = 2 + a  # ... and the leading chain's
+    kernel = out.clone()
+    step_k = torch.cat([seqs[0][0][c0:], seqs[1][0][c1:]])  # the step's own rows
+    step_v = torch.cat([seqs[0][1][c0:], seqs[1][1][c1:]])
+    cpu_tree_rows(TreeStep([row]), q, step_k, step_v, kv_cache, blocks, out, scale,
+                  "k_transposed", all_nodes=compact)
+    k0, v0 = seqs[0]
+    k1, v1 = seqs[1]
+    one = torch.ones(1, 1, dtype=torch.bool)
+    want = torch.cat([
+        masked_tree_attention(q[:1], k0[:c0], v0[:c0], k0[c0:], v0[c0:], one, scale),
+        masked_tree_attention(q[1:2], k1[:c1], v1[:c1], k1[c1:c1 + 1], v1[c1:c1 + 1], one,
+                              scale),
+        masked_tree_attention(q[2:], k1[:c1], v1[:c1], k1[c1:], v1[c1:], mask, scale)])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:own], kernel[:own])  # the kernel's own rows, untouched
+    # the rows recomputed: not what the kernel left there
+    assert not torch.allclose(kernel[own:], want[own:], atol=1e-3, equal_nan=True)

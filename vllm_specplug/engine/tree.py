@@ -50,6 +50,14 @@ class DraftTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    def chain_prefix(self) -> int:
+        """How many leading nodes form a chain from the root (node ``i``'s
+        parent is node ``i - 1``): ``len(self)`` for a chain."""
+        for i, p in enumerate(self.parents):
+            if p != i - 1:
+                return i
+        return len(self.parents)
+
     def truncated(self, n: int) -> DraftTree:
         """The first ``n`` nodes (a prefix of a topological order is a tree)."""
         return self.select(range(min(n, len(self))))

@@ -460,7 +460,7 @@ class SpecplugRunnerMixin:
             mask = torch.from_numpy(tree.ancestor_mask()[1:])
             if self.device.type != "cuda":
                 mask = mask.to(self.device)
-            rows.append(TreeRow(s, m, c, i, mask))
+            rows.append(TreeRow(s, m, c, i, mask, chain_prefix=tree.chain_prefix()))
             trees[i] = tree
         self._sp_state = StepState(trees=trees, root_row=roots,
                                    attention=TreeStep(rows) if rows else None)

@@ -26,7 +26,7 @@ nothing is copied out of the forward pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -47,6 +47,12 @@ class TreeRow:
     """The request's batch row (its block-table row in the attention metadata)."""
     mask: torch.Tensor
     """``[num_nodes, num_nodes + 1]`` bool: node row -> visible step rows."""
+    chain_prefix: int = 0
+    """Leading nodes that form a chain from the root (node ``j``'s parent is
+    node ``j - 1``). The backend's causal rows are already right for them:
+    a causal row sees the context, the root and the nodes laid out before
+    it, which for these are exactly its ancestors. The CPU path recomputes
+    only the nodes after them (methods lay their best path out first)."""
     _bias: torch.Tensor | None = None
 
     def step_bias(self) -> torch.Tensor:
@@ -71,6 +77,17 @@ class TreeStep:
     _gpu: dict | None = None
     """The GPU kernel's per-step inputs, built on the first layer, reused by
     the others (one host->device copy per step, not per layer)."""
+    _cpu_meta: dict = field(default_factory=dict)
+    """id(attention metadata) -> (metadata, its compacted copy or None): see
+    ``compact_cpu_metadata``; built on the first layer, reused by the others."""
+
+    def cpu_metadata(self, meta, impl, isa: str, dtype: torch.dtype):
+        key = id(meta)
+        hit = self._cpu_meta.get(key)
+        if hit is None or hit[0] is not meta:
+            hit = (meta, compact_cpu_metadata(meta, self.rows, impl, isa, dtype))
+            self._cpu_meta[key] = hit
+        return hit[1]
 
     def gpu_inputs(self, device) -> dict:
         if self._gpu is None:
@@ -188,75 +205,165 @@ class TreeAttentionWrapper:
         self.get_step = get_step
         self.gpu = gpu
         """GPU path (Triton kernel on the paged cache); None: by the cache's device."""
+        self.compact = True
+        """CPU: take the recomputed nodes out of the backend's own call."""
 
     def __call__(self, layer, query, key, value, kv_cache, attn_metadata,
                  output, *args, **kwargs):
-        out = self.inner(layer, query, key, value, kv_cache, attn_metadata,
-                         output, *args, **kwargs)
         step: TreeStep | None = self.get_step()
         if step is None or attn_metadata is None or not step.rows:
-            return out
+            return self.inner(layer, query, key, value, kv_cache, attn_metadata,
+                              output, *args, **kwargs)
+        gpu = kv_cache.is_cuda if self.gpu is None else self.gpu
+        meta = attn_metadata
+        if not gpu and self.compact:
+            # the backend skips the nodes recomputed below (compact_cpu_metadata)
+            meta = step.cpu_metadata(attn_metadata, self.impl, getattr(layer, "isa", "vec"),
+                                     query.dtype) or attn_metadata
+        out = self.inner(layer, query, key, value, kv_cache, meta, output, *args, **kwargs)
+        compacted = meta is not attn_metadata
         step.caches[self.layer_name] = (layer, kv_cache)
         if step.slot_mapping is None:
             step.slot_mapping = attn_metadata.slot_mapping
         o = output.view(output.shape[0], self.impl.num_heads, -1)
-        gpu = kv_cache.is_cuda if self.gpu is None else self.gpu
         if gpu:
             gpu_tree_rows(step, query, kv_cache, attn_metadata.block_table, o,
                           self.impl.head_size, self.impl.scale)
         else:
             cpu_tree_rows(step, query, key, value, kv_cache, attn_metadata.block_table,
-                          o, self.impl.scale, self.layout)
+                          o, self.impl.scale, self.layout, all_nodes=compacted)
         return out
 
 
+def compact_cpu_metadata(meta, rows: list[TreeRow], impl, isa: str, dtype: torch.dtype):
+    """vLLM's CPU attention metadata with the tree nodes taken out of their
+    requests (None when it cannot be done safely: the backend then attends
+    every row, as before, and the nodes are recomputed all the same).
+
+    The backend attends a tree's nodes causally, which is wrong for every
+    node after the tree's leading chain, and the wrapper recomputes those
+    rows: at a 1000-token context that wasted work was about 7 ms of a
+    53 ms 8-node step (the backend's kernel over 9 query rows instead of
+    1). Here each tree request ends at its last chain node (its sequence
+    shortened by the nodes taken out), and those nodes become a request of
+    their own that attends only to the first rows of the same request's
+    blocks (``seq_len`` = its query length): cheap, finite, and overwritten
+    by ``cpu_tree_rows``. Nothing is copied: the rows stay where they are,
+    only the request boundaries and the kernel's schedule change.
+
+    The tree's leading chain is taken out too (and recomputed with the
+    rest): the kernel's path for several query rows costs far more per row
+    than its one-row decode path (at a 1000-token context 49 vs 31 us a
+    layer for 2 rows vs 1), more than the chain's rows cost the wrapper."""
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import ops
+
+    if (getattr(meta, "dynamic_causal", None) is not None or not getattr(meta, "causal", False)
+            or getattr(meta, "use_sdpa_prefill", False) or meta.encoder_cache is not None):
+        return None
+    qsl = meta.query_start_loc.tolist()
+    seq = meta.seq_lens.tolist()
+    n_req = len(seq)
+    trees = {r.req_index: r for r in rows}
+    if not trees:
+        return None
+    new_qsl, new_seq, block_rows = [0], [], []
+    for i in range(n_req):
+        r = trees.get(i)
+        if r is None:
+            new_qsl.append(qsl[i + 1])
+            new_seq.append(seq[i])
+            block_rows.append(i)
+            continue
+        first = r.row_start + 1  # every node is recomputed (see below)
+        end = r.row_start + 1 + r.num_nodes
+        cut = end - first
+        if end != qsl[i + 1] or seq[i] != r.context_len + 1 + r.num_nodes:
+            return None  # not the layout the runner built: leave it alone
+        new_qsl += [first, end]
+        new_seq += [seq[i] - cut, cut]
+        block_rows += [i, i]
+    qsl_t = torch.tensor(new_qsl, dtype=meta.query_start_loc.dtype)
+    seq_t = torch.tensor(new_seq, dtype=meta.seq_lens.dtype)
+    blocks = meta.block_table.index_select(
+        0, torch.tensor(block_rows, dtype=torch.long, device=meta.block_table.device))
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(new_seq), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seq_t, dtype=dtype,
+        query_start_loc=qsl_t, causal=True, sliding_window_size=impl.sliding_window,
+        isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=impl.kv_cache_dtype)
+    q_lens = np.diff(new_qsl)
+    return replace(meta, query_start_loc=qsl_t, seq_lens=seq_t, block_table=blocks,
+                   scheduler_metadata=sched, max_query_len=int(q_lens.max()),
+                   max_seq_len=int(max(new_seq)))
+
+
 def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
-                  scale: float, layout: str) -> None:
-    """CPU: recompute the tree rows of ``o`` ``[tokens, heads, head]`` in place."""
+                  scale: float, layout: str, all_nodes: bool = False) -> None:
+    """CPU: recompute the tree rows of ``o`` ``[tokens, heads, head]`` in place:
+    every node when the backend skipped them (``all_nodes``, see
+    ``compact_cpu_metadata``), else the nodes after the leading chain (the
+    backend's causal rows are right for the chain)."""
     k_cache, v_cache = cpu_split_cache(kv_cache)
     for r in step.rows:
-        s = r.row_start
-        o[s + 1 : s + 1 + r.num_nodes] = paged_tree_attention(
-            query[s + 1 : s + 1 + r.num_nodes], k_cache, v_cache,
+        s, a = r.row_start, 0 if all_nodes else r.chain_prefix
+        if a >= r.num_nodes:
+            continue
+        paged_tree_attention(
+            query[s + 1 + a : s + 1 + r.num_nodes], k_cache, v_cache,
             block_table[r.req_index], r.context_len,
             key[s : s + 1 + r.num_nodes], value[s : s + 1 + r.num_nodes],
-            r.step_bias(), scale, layout)
+            r.step_bias()[a:], scale, layout, out=o[s + 1 + a : s + 1 + r.num_nodes])
 
 
 def paged_tree_attention(q, k_cache, v_cache, block_ids, context_len: int,
-                         k_step, v_step, step_bias, scale: float, layout: str):
+                         k_step, v_step, step_bias, scale: float, layout: str,
+                         out: torch.Tensor | None = None):
     """Tree nodes' attention with the context read block by block from vLLM's
-    CPU cache (``context_blocks``).
+    CPU cache.
 
-    q ``[n, H, D]``; ``k_cache``/``v_cache`` as :func:`cpu_split_cache` gives
-    them; k/v_step ``[n+1, Hkv, D]`` (root + nodes); ``step_bias`` ``[n, n+1]``
-    float, 0 where a node sees a step row and -inf where not. Each context
-    block is copied once and multiplied where it lies. The
-    gather-then-concatenate way copied the context 3-4 times per layer (at a
-    1000-token context: 1.5 ms vs 0.4 ms a layer here, x30 layers a step).
+    q ``[n, H, D]`` (the nodes recomputed: all, or those after the tree's
+    leading chain); ``k_cache``/``v_cache`` as :func:`cpu_split_cache` gives
+    them; k/v_step ``[m, Hkv, D]`` (root + every node); ``step_bias``
+    ``[n, m]`` float, 0 where a node sees a step row and -inf where not.
+    Writes ``out`` ``[n, H, D]`` (a view of the layer's output rows) when
+    given; returns the result.
+
+    Each context block is copied once (``index_select``) and multiplied
+    where it lies; the scores of the step rows and of the context share one
+    buffer, so one softmax covers both. At small contexts the cost is the
+    number of ATen calls (about 8 us each on a 2-core CPU), not arithmetic:
+    keep them few.
     """
     n, h, d = q.shape
-    hkv = k_step.shape[1]
+    m, hkv = k_step.shape[0], k_step.shape[1]
     rep = h // hkv
+    rows = n * rep
     kt, vb = context_blocks(k_cache, v_cache, block_ids, context_len, layout)
     nblk, bs = kt.shape[0], kt.shape[3]
-    if context_len < nblk * bs:
+    span = nblk * bs
+    if context_len < span:
         # the last block's unused slots hold whatever the cache held (even
         # NaN): their weight is 0, and 0 * NaN is NaN
-        vb[-1, :, context_len - (nblk - 1) * bs:] = 0
-    qg = (q.float() * scale).view(n, hkv, rep, d).permute(1, 0, 2, 3).reshape(hkv, n * rep, d)
-    ctx = torch.matmul(qg.unsqueeze(0), kt.float())  # [nblk, Hkv, n*rep, bs]
-    ctx = ctx.permute(1, 2, 0, 3).reshape(hkv, n * rep, nblk * bs)[..., :context_len]
-    own = torch.bmm(qg, k_step.float().permute(1, 2, 0)).view(hkv, n, rep, n + 1)
-    own = own.add_(step_bias[None, :, None, :]).view(hkv, n * rep, n + 1)
-    p = torch.softmax(torch.cat([ctx, own], dim=-1), dim=-1)
-    pc = p[..., :context_len]
-    if context_len < nblk * bs:
-        pc = torch.nn.functional.pad(pc, (0, nblk * bs - context_len))
-    pc = pc.reshape(hkv, n * rep, nblk, bs).permute(2, 0, 1, 3)  # [nblk, Hkv, n*rep, bs]
-    out = torch.matmul(pc, vb.float()).sum(0)  # [Hkv, n*rep, D]
-    out.add_(torch.bmm(p[..., context_len:], v_step.float().transpose(0, 1)))
-    return out.view(hkv, n, rep, d).permute(1, 0, 2, 3).reshape(n, h, d).to(q.dtype)
+        vb[-1, :, context_len - span + bs:] = 0
+    qg = torch.mul(q.float(), scale).view(n, hkv, rep, d).transpose(0, 1).reshape(hkv, rows, d)
+    scores = torch.empty(hkv, rows, m + span, dtype=qg.dtype, device=qg.device)
+    bias = step_bias[:, None, :].expand(n, rep, m).reshape(rows, m)
+    scores[:, :, :m] = torch.baddbmm(bias, qg, k_step.float().permute(1, 2, 0))
+    ctx = scores[:, :, m:].unflatten(-1, (nblk, bs)).permute(2, 0, 1, 3)  # [nblk, Hkv, rows, bs]
+    ctx.copy_(torch.matmul(qg.unsqueeze(0), kt.float()))
+    if context_len < span:
+        scores[:, :, m + context_len:] = float("-inf")  # (NaN keys too)
+    p = torch.softmax(scores, dim=-1)
+    res = torch.matmul(p[:, :, m:].unflatten(-1, (nblk, bs)).permute(2, 0, 1, 3),
+                       vb.float()).sum(0)  # [Hkv, rows, D]
+    res.baddbmm_(p[:, :, :m], v_step.float().transpose(0, 1))
+    res = res.view(hkv, n, rep, d).transpose(0, 1)
+    if out is None:
+        return res.reshape(n, h, d).to(q.dtype)
+    out.view(n, hkv, rep, d).copy_(res)
+    return out
 
 
 def gpu_tree_rows(step: TreeStep, query, kv_cache, block_table, o, head_size: int,
