@@ -35,6 +35,16 @@ and the median counts (outputs, tau and counters are the first run's; a
 method that learns online -- an adjacency table, the budget's estimates --
 is warmer in the repeats than in the first).
 
+Paired timing (``--paired``): the machine's speed drifts by 10-15 % between
+minutes on a shared host (six engines of the same plain decoding, one
+after another: 140-159 tok/s on one suite), more than the 3 % a method's
+overhead is judged by. With ``--paired`` every method's engine runs with a
+plain-decoding engine up beside it, and the two are timed in turn, call by
+call (a second's pause between, for the other's OpenMP threads to go to
+sleep); the method's ``speedup`` is the median of those side-by-side
+ratios. ``none`` still runs alone first (its outputs are the reference).
+About twice as long.
+
 Decoding is greedy (temperature 0), ``seed=0``, EOS honoured unless
 ``--ignore-eos`` (``--quick`` turns it on). Every output is compared token by
 token with ``none``'s at the same batch size: in float32 (or with
@@ -128,6 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "first run's); a short suite's one generate is a few seconds, "
                          "and single timings vary by 10-20%% between runs on a shared "
                          "machine (default 1)")
+    ap.add_argument("--paired", action="store_true",
+                    help="time each method in turn with a plain-decoding engine kept up "
+                         "beside it, suite by suite (and repeat by repeat); its speedup is "
+                         "the median of those side-by-side ratios. The machine's speed "
+                         "drifts between minutes; this takes about twice as long")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="context cap; longer prompts are dropped (default: the model's, "
                          "at most 8192; quick: 1024)")
@@ -365,10 +380,17 @@ def corrupt(outputs: list[list[int]]) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- workers
-def run_config(job: dict, log_path: Path, timeout: float | None, on_event) -> dict:
-    """Run one worker process; returns its result (or a synthetic error)."""
+def _start_worker(job: dict, log_path: Path, paired: bool = False):
+    """Start one worker process. Returns ``(proc, job, progress_fd, go_fd)``:
+    the worker's progress lines come on ``progress_fd``; with ``paired`` it
+    waits for a byte on its end of ``go_fd`` before each timed generate."""
     rfd, wfd = os.pipe()
     job = {**job, "progress_fd": wfd}
+    fds, go_r, go_w = [wfd], None, None
+    if paired:
+        go_r, go_w = os.pipe()
+        job["go_fd"] = go_r
+        fds.append(go_r)
     job_path = log_path.with_suffix(".job.json")
     job_path.write_text(json.dumps(job), encoding="utf-8")
     env = dict(os.environ)
@@ -377,32 +399,53 @@ def run_config(job: dict, log_path: Path, timeout: float | None, on_event) -> di
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    deadline = None if timeout is None else time.monotonic() + timeout
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", str(job_path)],
                                 cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT, pass_fds=(wfd,))
-    os.close(wfd)
-    buf = b""
-    timed_out = False
-    with os.fdopen(rfd, "rb", buffering=0) as pipe:
-        while True:
+                                stdout=log, stderr=subprocess.STDOUT, pass_fds=tuple(fds))
+    for fd in fds:
+        os.close(fd)
+    return proc, job, rfd, go_w
+
+
+class _Events:
+    """A worker's progress lines (JSON), one at a time."""
+
+    def __init__(self, fd: int) -> None:
+        self.pipe = os.fdopen(fd, "rb", buffering=0)
+        self.buf = b""
+        self.closed = False
+
+    def next(self, deadline: float | None) -> dict | None:
+        """The next event; None at the end of the stream or at ``deadline``
+        (then ``timed_out``)."""
+        self.timed_out = False
+        while b"\n" not in self.buf:
+            if self.closed:
+                return None
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([pipe], [], [], wait)
+            ready, _, _ = select.select([self.pipe], [], [], wait)
             if not ready:
-                timed_out = True
-                proc.kill()
-                break
-            chunk = pipe.read(65536)
+                self.timed_out = True
+                return None
+            chunk = self.pipe.read(65536)
             if not chunk:
-                break
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                try:
-                    on_event(json.loads(line))
-                except ValueError:
-                    pass
+                self.closed = True
+                continue
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {}
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+def _worker_result(proc, job: dict, log_path: Path, timed_out: bool,
+                   timeout: float | None) -> dict:
+    """The worker's result file, or a synthetic error saying why there is none."""
     rc = proc.wait()
     result_path = Path(job["result_path"])
     if result_path.is_file():
@@ -416,6 +459,73 @@ def run_config(job: dict, log_path: Path, timeout: float | None, on_event) -> di
            else f"worker died with exit code {rc}")
     return {"status": "error", "reason": f"{why}; log {log_path}: {tail[-300:]}",
             "suites": [], "peak_memory_mib": None}
+
+
+def run_config(job: dict, log_path: Path, timeout: float | None, on_event) -> dict:
+    """Run one worker process; returns its result (or a synthetic error)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    proc, job, rfd, _ = _start_worker(job, log_path)
+    events = _Events(rfd)
+    while (ev := events.next(deadline)) is not None:
+        on_event(ev)
+    if events.timed_out:
+        proc.kill()
+    events.close()
+    return _worker_result(proc, job, log_path, events.timed_out, timeout)
+
+
+# Seconds between one engine's timed generate and the other's: after a
+# generate, the engine's OpenMP threads keep spinning on both cores for a
+# while, which would slow the other engine's first steps.
+PAIR_PAUSE = 1.0
+
+
+def run_pair(jobs: tuple[dict, dict], logs: tuple[Path, Path], timeout: float | None,
+             on_event, timed_calls: int) -> tuple[dict, dict]:
+    """Two workers up at once (plain decoding and a method), timed in turn:
+    each timed ``generate`` of one (``timed_calls`` each: suites x repeats)
+    is followed by the same of the other, so both meet the machine in the
+    same state (its speed drifts by 10-15 % between minutes on a shared
+    host, more than the differences measured). Returns both results."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    started = [_start_worker(j, p, paired=True) for j, p in zip(jobs, logs)]
+    events = [_Events(rfd) for _, _, rfd, _ in started]
+    alive = [True, True]
+
+    def wait_for(w: int, kind: str) -> bool:
+        while (ev := events[w].next(deadline)) is not None:
+            if w == 1:  # the method's progress lines; the baseline's stay quiet
+                on_event(ev)
+            if ev.get("event") == kind:
+                return True
+        alive[w] = False
+        return False
+
+    # both warmed up before either is timed (a warm-up would slow the other)
+    if wait_for(0, "warmed") and wait_for(1, "warmed"):
+        for _ in range(timed_calls):
+            for w in (0, 1):
+                time.sleep(PAIR_PAUSE)
+                try:
+                    os.write(started[w][3], b"g")
+                except OSError:
+                    alive[w] = False
+                if not alive[w] or not wait_for(w, "timed"):
+                    break
+            if not all(alive):
+                break
+    for _, _, _, go_w in started:
+        os.close(go_w)  # a worker still waiting stops (error), the others finish
+    timed_out = False
+    for w, ev in enumerate(events):
+        while ev.next(deadline) is not None:
+            pass
+        if ev.timed_out:
+            timed_out = True
+            started[w][0].kill()
+        ev.close()
+    return tuple(_worker_result(proc, job, log, timed_out, timeout)  # type: ignore[return-value]
+                 for (proc, job, _, _), log in zip(started, logs))
 
 
 # ---------------------------------------------------------------- records
@@ -451,6 +561,21 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
     if base_entry is not None and rec["tokens_per_s"] and base_entry["wall_seconds"] > 0:
         base_tps = base_entry["generated_tokens"] / base_entry["wall_seconds"]
         rec["speedup"] = rec["tokens_per_s"] / base_tps if base_tps else None
+    paired = entry.get("paired_baseline")
+    if paired and toks:
+        # --paired: against the baseline timed in turn with this method, call
+        # by call (the median of those ratios), not against the baseline's
+        # own engine run minutes earlier
+        mine = entry.get("wall_seconds_repeats") or [wall]
+        ratios = sorted((toks / w) / (paired["generated_tokens"] / b)
+                        for w, b in zip(mine, paired["wall_seconds_repeats"]) if w > 0 and b > 0)
+        if ratios:
+            k = len(ratios)
+            rec["speedup_unpaired"] = rec["speedup"]
+            rec["speedup"] = (ratios[k // 2] if k % 2 else
+                              (ratios[k // 2 - 1] + ratios[k // 2]) / 2)
+            rec["paired_speedup_repeats"] = ratios
+            rec["paired_baseline_wall_seconds"] = paired["wall_seconds_repeats"]
     if method["kind"] != "baseline":
         c = entry["counters"]
         d = c["drafts"]
@@ -584,7 +709,7 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
             "max_model_len": run_len, "num_speculative_tokens": args.num_speculative_tokens,
             "batch_sizes": args.batch_sizes, "limit": args.limit, "quick": args.quick,
             "ignore_eos": args.ignore_eos, "temperature": 0.0, "seed": 0,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "paired": args.paired,
             "batching": "max_num_seqs", "enforce_eager": args.eager,
             "compile_cache": compile_cache_dir(),
             "lossless_check": "strict" if (args.dtype == "float32" or args.strict) else "report",
@@ -651,6 +776,41 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
         _log(f"{tag}: {res['status'].upper()} in {dt:.1f} s - {res['reason']}")
         if res["status"] == "error":
             _log(f"    log: {log_dir / (stem + '.log')}")
+    return res
+
+
+def run_one_paired(tag: str, stem: str, m: dict, base: dict, batch: int, job_base: dict,
+                   suites, machine, log_dir: Path, timeout) -> dict:
+    """``run_one`` with plain decoding's engine up beside the method's and
+    timed in turn with it (``--paired``): each suite entry of the result
+    gets ``paired_baseline``, the baseline's wall times from that pairing."""
+    if m["skip"]:
+        return run_one(tag, stem, m, batch, job_base, suites, machine, log_dir, timeout)
+    load0 = _loadavg()
+    _log(f"{tag}: starting, paired with plain decoding "
+         f"({sum(len(s.prompts) for s in suites)} prompts each)")
+    t0 = time.perf_counter()
+    jobs = tuple({**job_base, "batch_size": batch, "spec": x["speculative_config"],
+                  "engine_options": x["options"] if x["kind"] == "baseline" else {},
+                  "kind": x["kind"], "result_path": str(log_dir / f"{stem}{sfx}.result.json")}
+                 for x, sfx in ((base, "_base"), (m, "")))
+    timed = len(suites) * max(1, job_base.get("repeats", 1))
+    pair, res = run_pair(jobs, (log_dir / f"{stem}_base.log", log_dir / f"{stem}.log"),
+                         timeout, _log_event, timed)
+    res["load_average"] = [load0, _loadavg()]
+    base_by_suite = {e["name"]: e for e in pair.get("suites", [])}
+    for e in res.get("suites", []):
+        b = base_by_suite.get(e["name"])
+        if b is not None:
+            e["paired_baseline"] = {
+                "wall_seconds_repeats": b.get("wall_seconds_repeats") or [b["wall_seconds"]],
+                "generated_tokens": b["generated_tokens"]}
+    dt = time.perf_counter() - t0
+    if res["status"] == "ok":
+        _log(f"{tag}: ok in {dt:.1f} s" + ("" if pair["status"] == "ok" else
+                                          f" (its paired baseline: {pair['reason']})"))
+    else:
+        _log(f"{tag}: {res['status'].upper()} in {dt:.1f} s - {res['reason']}")
     return res
 
 
@@ -812,8 +972,14 @@ def main(argv: list[str] | None = None) -> int:
     for i, (batch, m) in enumerate(configs, 1):
         tag = f"[{i}/{len(configs)}] {m['name']} ({m['kind']}) batch={batch}"
         stem = f"{i:02d}_{m['name']}_b{batch}"
-        res = results[(m["name"], batch)] = run_one(
-            tag, stem, m, batch, job_base, suites, machine, log_dir, args.timeout)
+        if args.paired and m["name"] != "none":
+            base = next(x for x in methods if x["name"] == "none")
+            res = run_one_paired(tag, stem, m, base, batch, job_base, suites, machine,
+                                 log_dir, args.timeout)
+        else:
+            res = run_one(tag, stem, m, batch, job_base, suites, machine, log_dir,
+                          args.timeout)
+        results[(m["name"], batch)] = res
         if m["name"] == "none":
             add_ceilings(doc, res, suites, batch, store)
         add_records(doc, m, batch, res, results.get(("none", batch), {}), suites, args,

@@ -41,6 +41,17 @@ def _progress(fd: int | None, **event) -> None:
         pass
 
 
+def _go(job: dict) -> None:
+    """Paired runs (``benchmarks.run --paired``): wait for the harness's turn
+    signal before a timed ``generate``, so that two engines are timed one
+    after the other, never at once."""
+    fd = job.get("go_fd")
+    if fd is None:
+        return
+    if not os.read(fd, 1):
+        raise RuntimeError("paired run: the harness stopped the pairing")
+
+
 def _counters(llm) -> dict:
     """vLLM's spec-decode counters, summed over label sets."""
     out: dict = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
@@ -229,12 +240,17 @@ def run(job: dict) -> dict:
             warm = [TokensPrompt(prompt_token_ids=ids)] * min(2, job["batch_size"])
             llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16,
                                               ignore_eos=True), use_tqdm=False)
+        _progress(fd, event="warmed")
         for suite in job["suites"]:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in suite["prompts"]]
             c0, s0 = _counters(llm), _specplug_stats(llm)
+            _go(job)
+            spans = [time.time()]
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t
+            spans = [[spans[0], time.time()]]
+            _progress(fd, event="timed", suite=suite["name"], wall_seconds=wall)
             c1, s1 = _counters(llm), _specplug_stats(llm)
             outputs = [list(o.outputs[0].token_ids) for o in outs]
             walls = [wall]
@@ -244,9 +260,13 @@ def run(job: dict) -> dict:
                 # prefill (2x on summarization): start it empty, as the
                 # first run found it.
                 llm.reset_prefix_cache()
+                _go(job)
+                t0 = time.time()
                 t = time.perf_counter()
                 again = llm.generate(prompts, params, use_tqdm=False)
                 walls.append(time.perf_counter() - t)
+                spans.append([t0, time.time()])
+                _progress(fd, event="timed", suite=suite["name"], wall_seconds=walls[-1])
                 if [list(o.outputs[0].token_ids) for o in again] != outputs:
                     raise RuntimeError(f"{suite['name']}: a repeated greedy generate gave "
                                        "other tokens than the first")
@@ -256,6 +276,7 @@ def run(job: dict) -> dict:
                 "outputs": outputs,
                 "wall_seconds": wall,
                 "wall_seconds_repeats": walls if len(walls) > 1 else None,
+                "timed_spans": spans,  # wall-clock [start, end] of each timed call
                 "generated_tokens": sum(map(len, outputs)),
                 "counters": _counter_delta(c0, c1),
                 "specplug_stats": _stats_delta(s0, s1, (job.get("spec") or {}).get("method")),

@@ -7,6 +7,7 @@ harness' parts.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -93,6 +94,40 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
     assert "== batch size 2 ==" in proc.stdout and "pld (specplug) batch=2" in proc.stdout
     if report_has_matplotlib():
         assert (tmp_path / "results.png").stat().st_size > 0
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(600)
+def test_paired_run_times_the_two_engines_in_turn(tmp_path):
+    """``--paired``: plain decoding's engine is up beside the method's and
+    each timed generate of one follows the other's, never at once (checked
+    on the workers' own wall-clock spans); the speedup is the median of the
+    side-by-side ratios (worked out here from the recorded wall times)."""
+    proc, doc = _bench(tmp_path, "--method-options", '{"pld": {"cost_aware": false}}',
+                       "--repeats", "2", "--paired")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report.validate(doc) == []
+    assert doc["run"]["paired"] is True
+    none, pld = _record(doc, "none"), _record(doc, "pld")
+    assert none.get("paired_speedup_repeats") is None  # none runs alone, as before
+    assert pld["identical"] is True
+    base = pld["paired_baseline_wall_seconds"]
+    mine = pld["wall_seconds_repeats"]
+    assert len(base) == len(mine) == 2
+    # same tokens (greedy, ignore_eos): each ratio is base wall / own wall
+    ratios = sorted(b / w for b, w in zip(base, mine))
+    assert pld["paired_speedup_repeats"] == pytest.approx(ratios)
+    assert pld["speedup"] == pytest.approx((ratios[0] + ratios[1]) / 2)
+    assert pld["speedup_unpaired"] == pytest.approx(none["wall_seconds"] / pld["wall_seconds"])
+    logs = tmp_path / "logs"
+    spans = []
+    for tag, path in (("base", next(logs.glob("*_pld_b2_base.result.json"))),
+                      ("pld", next(logs.glob("*_pld_b2.result.json")))):
+        spans += [(x[0], x[1], tag) for e in json.loads(path.read_text())["suites"]
+                  for x in e["timed_spans"]]
+    spans.sort()
+    assert [t for _, _, t in spans] == ["base", "pld", "base", "pld"]  # in turn
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never at once
 
 
 def report_has_matplotlib() -> bool:

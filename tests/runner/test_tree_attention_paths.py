@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_specplug.engine.tree import DraftTree
 from tests.runner.reference_attention import masked_tree_attention
+from vllm_specplug.engine.tree import DraftTree
 
 H, HKV, D, BS = 4, 2, 32, 16
 
@@ -83,7 +83,10 @@ def test_paged_tree_attention_reads_the_cache_in_both_layouts():
     """The CPU path's attention over the paged cache (context split over
     non-consecutive blocks, a part-filled last block whose unused slots hold
     NaN) against a plain loop over queries and heads."""
-    from vllm_specplug.runner.tree_attention import cpu_split_cache, paged_tree_attention
+    from vllm_specplug.runner.tree_attention import (
+        cpu_split_cache,
+        paged_tree_attention,
+    )
 
     g = torch.Generator().manual_seed(5)
     n, c, bs, nb = 5, 37, 16, 8
@@ -139,7 +142,6 @@ def test_tree_rows_with_the_backend_kernel(parents, compact):
     tree's leading chain are recomputed (the kernel's rows are right for
     the chain). Every row against the reference."""
     from vllm import _custom_ops as ops
-
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
     from vllm_specplug.runner.tree_attention import (
