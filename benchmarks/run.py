@@ -73,6 +73,7 @@ import json
 import os
 import select
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -518,8 +519,9 @@ def run_pair(jobs: tuple[dict, dict], logs: tuple[Path, Path], timeout: float | 
         os.close(go_w)  # a worker still waiting stops (error), the others finish
     timed_out = False
     for w, ev in enumerate(events):
-        while ev.next(deadline) is not None:
-            pass
+        while (e := ev.next(deadline)) is not None:
+            if w == 1:  # the method's last suite line comes after its last "timed"
+                on_event(e)
         if ev.timed_out:
             timed_out = True
             started[w][0].kill()
@@ -570,10 +572,8 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         ratios = sorted((toks / w) / (paired["generated_tokens"] / b)
                         for w, b in zip(mine, paired["wall_seconds_repeats"]) if w > 0 and b > 0)
         if ratios:
-            k = len(ratios)
             rec["speedup_unpaired"] = rec["speedup"]
-            rec["speedup"] = (ratios[k // 2] if k % 2 else
-                              (ratios[k // 2 - 1] + ratios[k // 2]) / 2)
+            rec["speedup"] = statistics.median(ratios)
             rec["paired_speedup_repeats"] = ratios
             rec["paired_baseline_wall_seconds"] = paired["wall_seconds_repeats"]
     if method["kind"] != "baseline":

@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import time
+from statistics import median
 
 
 def _engine(conn, model: str, dtype: str, batch: int, size: int, steps: int,
@@ -92,12 +93,6 @@ class _Engine:
         self.proc.join(120)
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,11 +147,11 @@ def main() -> None:
                 ratios.append(t / p)
             if eng is not None:
                 eng.close()
-            step = _median(times)
+            step = median(times)
             rec = {"batch_size": b, "tree_size": s, "step_ms": step * 1000, "steps": n_steps,
                    "tokens_per_step": b * (s + 1), "repeats": args.repeats,
                    "step_ms_repeats": [round(1000 * t, 3) for t in times],
-                   "relative_to_plain": _median(ratios),
+                   "relative_to_plain": median(ratios),
                    "relative_to_plain_repeats": [round(r, 4) for r in ratios]}
             records.append(rec)
             print(f"batch {b:3d}  tree {s:3d}  step {step * 1000:9.1f} ms  "

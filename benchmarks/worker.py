@@ -245,11 +245,11 @@ def run(job: dict) -> dict:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in suite["prompts"]]
             c0, s0 = _counters(llm), _specplug_stats(llm)
             _go(job)
-            spans = [time.time()]
+            t0 = time.time()
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t
-            spans = [[spans[0], time.time()]]
+            spans = [[t0, time.time()]]
             _progress(fd, event="timed", suite=suite["name"], wall_seconds=wall)
             c1, s1 = _counters(llm), _specplug_stats(llm)
             outputs = [list(o.outputs[0].token_ids) for o in outs]

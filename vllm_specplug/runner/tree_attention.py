@@ -205,8 +205,6 @@ class TreeAttentionWrapper:
         self.get_step = get_step
         self.gpu = gpu
         """GPU path (Triton kernel on the paged cache); None: by the cache's device."""
-        self.compact = True
-        """CPU: take the recomputed nodes out of the backend's own call."""
 
     def __call__(self, layer, query, key, value, kv_cache, attn_metadata,
                  output, *args, **kwargs):
@@ -216,7 +214,7 @@ class TreeAttentionWrapper:
                               output, *args, **kwargs)
         gpu = kv_cache.is_cuda if self.gpu is None else self.gpu
         meta = attn_metadata
-        if not gpu and self.compact:
+        if not gpu:
             # the backend skips the nodes recomputed below (compact_cpu_metadata)
             meta = step.cpu_metadata(attn_metadata, self.impl, getattr(layer, "isa", "vec"),
                                      query.dtype) or attn_metadata
@@ -244,17 +242,18 @@ def compact_cpu_metadata(meta, rows: list[TreeRow], impl, isa: str, dtype: torch
     node after the tree's leading chain, and the wrapper recomputes those
     rows: at a 1000-token context that wasted work was about 7 ms of a
     53 ms 8-node step (the backend's kernel over 9 query rows instead of
-    1). Here each tree request ends at its last chain node (its sequence
-    shortened by the nodes taken out), and those nodes become a request of
-    their own that attends only to the first rows of the same request's
-    blocks (``seq_len`` = its query length): cheap, finite, and overwritten
-    by ``cpu_tree_rows``. Nothing is copied: the rows stay where they are,
-    only the request boundaries and the kernel's schedule change.
+    1). Here each tree request ends at its root (its sequence shortened by
+    the nodes taken out), and the nodes become a request of their own that
+    attends only to the first rows of the same request's blocks
+    (``seq_len`` = its query length): cheap, finite, and overwritten by
+    ``cpu_tree_rows``. Nothing is copied: the rows stay where they are, only
+    the request boundaries and the kernel's schedule change.
 
-    The tree's leading chain is taken out too (and recomputed with the
-    rest): the kernel's path for several query rows costs far more per row
-    than its one-row decode path (at a 1000-token context 49 vs 31 us a
-    layer for 2 rows vs 1), more than the chain's rows cost the wrapper."""
+    The tree's leading chain goes out with the other nodes (and is
+    recomputed with them): the kernel's path for several query rows costs
+    far more per row than its one-row decode path (at a 1000-token context
+    49 vs 31 us a layer for 2 rows vs 1), more than the chain's rows cost
+    the wrapper."""
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import ops
 
@@ -275,13 +274,11 @@ def compact_cpu_metadata(meta, rows: list[TreeRow], impl, isa: str, dtype: torch
             new_seq.append(seq[i])
             block_rows.append(i)
             continue
-        first = r.row_start + 1  # every node is recomputed (see below)
-        end = r.row_start + 1 + r.num_nodes
-        cut = end - first
-        if end != qsl[i + 1] or seq[i] != r.context_len + 1 + r.num_nodes:
+        first, n = r.row_start + 1, r.num_nodes  # every node is recomputed
+        if first + n != qsl[i + 1] or seq[i] != r.context_len + 1 + n:
             return None  # not the layout the runner built: leave it alone
-        new_qsl += [first, end]
-        new_seq += [seq[i] - cut, cut]
+        new_qsl += [first, first + n]
+        new_seq += [seq[i] - n, n]
         block_rows += [i, i]
     qsl_t = torch.tensor(new_qsl, dtype=meta.query_start_loc.dtype)
     seq_t = torch.tensor(new_seq, dtype=meta.seq_lens.dtype)
