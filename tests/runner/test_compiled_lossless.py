@@ -50,6 +50,7 @@ def test_oracle_random_trees_compiled(ref_model, baseline):
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["tree_drafts"] > 0 and stats["kv_moves"] > 0
     assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
+    assert stats["tree_attention"] == "native"  # the CPU kernel, not the ATen fallback
 
 
 def test_pld_tree_compiled(ref_model, baseline):

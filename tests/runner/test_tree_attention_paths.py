@@ -130,9 +130,10 @@ def _backend_attention(q, key_cache, value_cache, out, qsl, seq_lens, blocks, sc
         scheduler_metadata=sched, s_aux=None)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("parents", [[-1, 0, 1, 0, 3, -1], [-1, -1, 1, 0]])
-def test_tree_rows_with_the_backend_kernel(parents, compact):
+def test_tree_rows_with_the_backend_kernel(parents, compact, native, monkeypatch):
     """With real vLLM CPU kernels (``cpu_attn_reshape_and_cache`` writes the
     cache, ``cpu_attention_with_kv_cache`` attends): a decoding request and a
     tree request in one step. ``compact``: the backend runs on
@@ -140,8 +141,17 @@ def test_tree_rows_with_the_backend_kernel(parents, compact):
     are a dummy request) and ``cpu_tree_rows`` recomputes every node; else
     the backend attends every row causally and only the nodes after the
     tree's leading chain are recomputed (the kernel's rows are right for
-    the chain). Every row against the reference."""
+    the chain). ``native``: the tree rows by the native kernel
+    (kernels/cpu_tree_attention), else by the ATen path. Every row against
+    the reference."""
     from vllm import _custom_ops as ops
+
+    from vllm_specplug.kernels import cpu_tree_attention
+
+    if native:
+        assert cpu_tree_attention.ensure_loaded(), cpu_tree_attention._error
+    else:
+        monkeypatch.setenv(cpu_tree_attention.ENV_SWITCH, "0")
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
 
     from vllm_specplug.runner.tree_attention import (

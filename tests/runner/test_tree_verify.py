@@ -49,3 +49,21 @@ def test_random_trees_lossless_with_exact_depth(tiny_model, reference, batch):
     assert stats["drafts"] == stats["method"]["drafts"]
     # Per-source counts (runner, from the kept trees): only true nodes accepted.
     assert stats["source_accepted"] == {"truth": stats["accepted_tokens"]}
+    assert stats["tree_attention"] == "native"
+
+
+def test_random_trees_lossless_on_the_aten_path(tiny_model, reference, monkeypatch):
+    """The fallback when the native CPU kernel cannot be built (no compiler):
+    the same trees, the same output, through ATen calls."""
+    from vllm_specplug.kernels import cpu_tree_attention
+
+    monkeypatch.setenv(cpu_tree_attention.ENV_SWITCH, "0")  # the engine runs in-process
+    prompts, outs, ref_file = reference
+    spec = {"method": "oracle", "num_speculative_tokens": 12,
+            "reference_file": ref_file, "max_depth": 6}
+    with engine(tiny_model, spec) as llm:
+        got = greedy(llm, prompts[:8], MAX_TOKENS)
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["tree_attention"] == "aten"
+    assert got == outs[:8]
+    assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]

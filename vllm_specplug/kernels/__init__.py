@@ -8,6 +8,10 @@ dispatcher that picks one of the two):
 * ``kv_move``        - compact the accepted path's K/V into consecutive slots.
 * ``adjacency``      - token adjacency table update / static tree expansion.
 
+And one native CPU kernel (not Triton: vLLM's CPU build has no Triton
+backend): ``cpu_tree_attention`` - the tree rows' attention on vLLM's paged
+CPU cache, C++ compiled on the user's machine at first use (ATen fallback).
+
 The submodules are deliberately not imported here: ``@triton.jit`` decides at
 decoration (= import) time whether a kernel is compiled for a GPU or run by
 the CPU interpreter (``TRITON_INTERPRET=1``), so importing this package must

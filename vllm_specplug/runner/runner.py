@@ -402,6 +402,12 @@ class SpecplugRunnerMixin:
         if found is not None:
             TreeAttentionWrapper.layout = found
             self._sp_kv_layout = found
+            # build/load the native tree attention now, not in the first step
+            from vllm_specplug.kernels import cpu_tree_attention
+
+            native = cpu_tree_attention.ensure_loaded()
+            logger.info("specplug: CPU tree attention: %s (KV layout %s)",
+                        "native kernel" if native else "ATen path", found)
         else:
             raise RuntimeError(
                 f"specplug: the CPU attention backend's KV layout (isa="
@@ -760,8 +766,10 @@ class SpecplugRunnerMixin:
                 sreq.aux_hidden = torch.cat(
                     [aux_hidden_states[self._sp_aux_index[x]][rows] for x in needs.aux_layers],
                     dim=-1)
+            # a prompt's LM-head pass only with the gate open: in a closed
+            # gate's exploring step only one decoding request drafts
             self._sp_fill_topk(sreq, state, i, rel, is_decode, hidden_states, rows,
-                               first, n_sched, drafting)
+                               first, n_sched, drafting and explore == -1)
             if needs.entropy:
                 self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
@@ -864,7 +872,9 @@ class SpecplugRunnerMixin:
         prompt's LM-head pass (``Needs.prefill_topk``) is skipped: it only
         serves drafts, which do not pay now, and over a long prompt it costs
         about a fifth of the prefill (issue 21: recycle/graft/adapld at
-        batch 8 on summarization)."""
+        batch 8 on summarization). A closed gate's exploring steps skip it
+        too (one decoding request drafts there; a prompt arriving in such a
+        step cost ~50 ms: recycle at batch 8 lost 5-8 % that way)."""
         needs = self._sp_needs
         if state is None or state.topk is None:
             return
@@ -901,9 +911,19 @@ class SpecplugRunnerMixin:
             sreq.topk_ids, sreq.topk_probs = ids[row], vals[row]
 
     # --------------------------------------------------------------- stats
+    def _sp_tree_attention_path(self) -> str:
+        """Which code attends the tree rows: ``gpu`` (Triton kernel),
+        ``native`` (the CPU kernel) or ``aten`` (the CPU fallback)."""
+        if self.device.type != "cpu":
+            return "gpu"
+        from vllm_specplug.kernels import cpu_tree_attention
+
+        return "native" if cpu_tree_attention.loaded() else "aten"
+
     def specplug_stats(self) -> dict[str, Any]:
         stats = self._sp_stats.as_dict()
         stats["live_trees"] = len(self._sp_trees)  # 0 once every request is gone
+        stats["tree_attention"] = self._sp_tree_attention_path()
         if self._sp_budget is not None:
             stats["budget"] = self._sp_budget.as_dict()
         if self._sp_proposer is not None:

@@ -54,6 +54,14 @@ class TreeRow:
     it, which for these are exactly its ancestors. The CPU path recomputes
     only the nodes after them (methods lay their best path out first)."""
     _bias: torch.Tensor | None = None
+    _mask_u8: torch.Tensor | None = None
+
+    def step_mask_u8(self) -> torch.Tensor:
+        """``mask`` as contiguous bytes (the native kernel's form), built once
+        per step for every layer."""
+        if self._mask_u8 is None:
+            self._mask_u8 = self.mask.to(torch.uint8).contiguous()
+        return self._mask_u8
 
     def step_bias(self) -> torch.Tensor:
         """``mask`` as an additive float bias (0 / -inf), built once per step
@@ -301,11 +309,21 @@ def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
     """CPU: recompute the tree rows of ``o`` ``[tokens, heads, head]`` in place:
     every node when the backend skipped them (``all_nodes``, see
     ``compact_cpu_metadata``), else the nodes after the leading chain (the
-    backend's causal rows are right for the chain)."""
+    backend's causal rows are right for the chain). The native kernel
+    (``kernels/cpu_tree_attention``) when it is loaded and applies, else
+    ``paged_tree_attention`` (ATen calls)."""
+    from vllm_specplug.kernels import cpu_tree_attention as native
+
     k_cache, v_cache = cpu_split_cache(kv_cache)
     for r in step.rows:
         s, a = r.row_start, 0 if all_nodes else r.chain_prefix
         if a >= r.num_nodes:
+            continue
+        rows = slice(s + 1 + a, s + 1 + r.num_nodes)
+        if native.tree_attention(
+                query[rows], k_cache, v_cache, block_table[r.req_index], r.context_len,
+                key[s : s + 1 + r.num_nodes], value[s : s + 1 + r.num_nodes],
+                r.step_mask_u8()[a:], scale, layout, o[rows]):
             continue
         paged_tree_attention(
             query[s + 1 + a : s + 1 + r.num_nodes], k_cache, v_cache,
