@@ -99,6 +99,34 @@ def test_step_cost_forgets_a_knot_it_has_not_seen_for_long():
     assert c(8) == pytest.approx(0.031)
 
 
+def test_step_cost_never_falls_as_rows_grow():
+    # graft's curve at batch 8 on summarization (issue21_b8_paired.json):
+    # its few small-row knots (the suite's tail) were one-offs. Read at the
+    # next larger knot's value, plain decoding at 8 rows costs what a 10-row
+    # step does (58 ms), not the 609 ms interpolated between 6 and 10 rows.
+    c = StepCost()
+    for rows, ms in [(1, 119.065), (2, 401.704), (3, 428.603), (6, 1159.973),
+                     (10, 57.986), (32, 137.728), (128, 346.491)]:
+        c.observe(rows, ms / 1e3)
+        c.observe(rows, ms / 1e3)  # the second step replaces the first: same
+    assert c(8) == pytest.approx(0.057986)
+    assert c(6) == pytest.approx(0.057986)
+    assert c(1) == pytest.approx(0.057986)
+    assert c(32) == pytest.approx(0.137728)  # consistent knots are untouched
+    assert c(80) == pytest.approx(0.137728 + (0.346491 - 0.137728) * 48 / 96)
+    assert c.as_dict()["6"] == pytest.approx(1159.973)  # stats show what was measured
+    # a larger knot measured lower pulls a smaller one down at once, and
+    # the smaller one's own value comes back once it is consistent again
+    for _ in range(5):
+        c.observe(128, 0.010)  # EMA, alpha 0.2: 0.346491 * 0.8**5 + 0.010 * (1 - 0.8**5)
+    low = 0.346491 * 0.8 ** 5 + 0.010 * (1 - 0.8 ** 5)  # 0.1203, under 32 rows' 0.1377
+    assert c(128) == pytest.approx(low)
+    assert c(32) == pytest.approx(low) and c(10) == pytest.approx(0.057986)
+    for _ in range(30):
+        c.observe(128, 0.400)
+    assert c(32) == pytest.approx(0.137728)
+
+
 def _closed_subsets(tree: DraftTree):
     n = len(tree)
     for bits in itertools.product([False, True], repeat=n):
