@@ -21,7 +21,7 @@ import tempfile
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks import suites
+    from benchmarks import store_prompts, suites
     from vllm_specplug.datastore.build import build_dense_datastore
     from vllm_specplug.datastore.dense import DatastoreError, DenseDatastore
     from vllm_specplug.models.reference import reference_model_path
@@ -42,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(out) and not args.overwrite:
         try:
             DenseDatastore.open(out, verify_checksums=False)
+            if not os.path.exists(store_prompts.list_path(out)):
+                # benchmarks.run checks the store against the measured prompts
+                store_prompts.record(out, suites.load(args.suite).texts[:args.limit],
+                                     [args.suite])
             print(f"dresd store exists: {out} (--overwrite rebuilds it)")
             return 0
         except DatastoreError as e:
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         except DatastoreError as e:
             print(f"benchmarks.dresd_store: {e}", file=sys.stderr)
             return 1
+    store_prompts.record(out, texts, [args.suite])
     print(f"dresd store: {out} ({man['counts']}, {man['build_seconds']:.0f} s) from "
           f"{len(texts)} prompts of {args.suite}")
     return 0

@@ -80,7 +80,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import repetition, report, suites as suites_mod
+from benchmarks import repetition, report, store_prompts, suites as suites_mod
 from vllm_specplug.corpus import chat_ids
 from benchmarks.machine import describe as describe_machine, machine_info
 
@@ -695,6 +695,27 @@ def plan_methods(args, model: str) -> list[dict]:
     return methods
 
 
+def check_datastores(methods: list[dict], suites) -> None:
+    """No method may be measured on prompts whose answers its datastore
+    holds (``benchmarks/store_prompts.py``)."""
+    for m in methods:
+        store = m["options"].get("datastore")
+        if not store or m["skip"]:
+            continue
+        held = store_prompts.overlap(store, suites)
+        if held is None:
+            _log(f"WARNING: {m['name']}'s datastore {store} has no prompt list "
+                 f"({store_prompts.list_path(store)}): cannot check that it holds none of "
+                 "the measured prompts' answers (rebuild it with benchmarks.reader_store "
+                 "or benchmarks.dresd_store)")
+        elif held:
+            raise _Stop(
+                f"{m['name']}'s datastore {store} holds the target's answers to measured "
+                f"prompts ({', '.join(f'{k}: {v}' for k, v in held.items())}): the method "
+                "would copy the answers it is measured on. Measure other suites or prompts, "
+                "or build the store without them (benchmarks.reader_store --skip)")
+
+
 def new_document(args, argv, started, model, run_len, methods, suite_meta, machine,
                  kv_bytes, corrupt_method, log_dir) -> dict:
     """The result document before any configuration ran."""
@@ -937,6 +958,11 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(p) for s in suites for p in s.prompts)
     run_len = min(max_model_len, -(-(longest + args.max_tokens + margin) // 16) * 16)
     methods = plan_methods(args, model)
+    try:
+        check_datastores(methods, suites)
+    except _Stop as e:
+        _log(f"error: {e}")
+        return 2
 
     machine = machine_info()
     _log(describe_machine(machine))

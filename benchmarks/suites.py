@@ -68,6 +68,9 @@ class Suite:
     # texts were dropped for not fitting the context.
     prompts: list[list[int]] = field(default_factory=list)
     dropped_too_long: int = 0
+    used_texts: list[str] = field(default_factory=list)
+    """The texts ``prompts`` were made from (a datastore must not hold them:
+    ``benchmarks/store_prompts.py``)."""
 
 
 def specbench_category(row: dict) -> str:
@@ -191,7 +194,7 @@ def load(name: str) -> Suite:
 def tokenize(suite: Suite, tokenizer, limit: int | None, max_prompt_len: int) -> Suite:
     """Fill ``suite.prompts``: the first ``limit`` texts whose prompt fits
     ``max_prompt_len`` tokens (longer ones are counted in ``dropped_too_long``)."""
-    suite.prompts, suite.dropped_too_long = [], 0
+    suite.prompts, suite.dropped_too_long, suite.used_texts = [], 0, []
     for text in suite.texts:
         if limit is not None and len(suite.prompts) >= limit:
             break
@@ -200,4 +203,5 @@ def tokenize(suite: Suite, tokenizer, limit: int | None, max_prompt_len: int) ->
             suite.dropped_too_long += 1
             continue
         suite.prompts.append(ids)
+        suite.used_texts.append(text)
     return suite

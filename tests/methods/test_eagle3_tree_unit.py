@@ -98,6 +98,10 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
     step(prop, 0, 40, 0, sampled=False)
     assert step(prop, 40, 1, 0) is None and prop.runtime.states["a"].n == 40
+    # the step's rows arrive as a slice of the batch's gathered rows: held as
+    # a copy, so the batch's tensor is not kept alive by a gated request
+    (held_chunk,) = prop._deferred["a"][1]
+    assert held_chunk._base is None and torch.equal(held_chunk, aux[40:41])
     # a recomputed row (the target verified position 41 again) replaces the held one
     step(prop, 41, 1, 0)
     step(prop, 41, 1, 8)

@@ -62,8 +62,12 @@ def test_recycle_lossless(ref_model, baseline):
 
 
 def test_adapld_lossless_and_frees_memory(ref_model, baseline):
+    # Trees pinned on: with the cost-aware budget the gate may rightly close
+    # on these prompts (it did once the step-cost curve stopped reading a
+    # one-off slow small step as plain decoding's cost), and an equality
+    # check over no tree at all would prove nothing about adapld's trees.
     stats = _check(ref_model, baseline,
-                   {"method": "adapld", "num_speculative_tokens": 12})
+                   {"method": "adapld", "num_speculative_tokens": 12, "cost_aware": False})
     m = stats["method"]
     assert stats["accepted_tokens"] > 0
     assert m["semantic_hits"] > 0, "the semantic fallback never fired"
@@ -76,7 +80,7 @@ def test_adapld_semantic_fallback_only(ref_model):
     prompt = list(range(1000, 1300, 3))
     with engine(ref_model, max_model_len=1024) as llm:
         ref = greedy(llm, [prompt], 32)
-    spec = {"method": "adapld", "num_speculative_tokens": 12}
+    spec = {"method": "adapld", "num_speculative_tokens": 12, "cost_aware": False}
     with engine(ref_model, spec, max_model_len=1024) as llm:
         assert greedy(llm, [prompt], 32) == ref
         m = llm.collective_rpc("specplug_stats")[0]["method"]

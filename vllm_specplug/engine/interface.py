@@ -84,6 +84,9 @@ class StepRequest:
     """False for a prompt chunk that did not finish the prompt: no draft."""
     verified_pos: int
     hidden: torch.Tensor | None = None
+    """``hidden``, ``layer_hidden``, ``aux_hidden``: slices of the step's
+    rows gathered for the whole batch at once; a method that keeps them past
+    the step keeps a copy (a slice keeps the whole batch's rows alive)."""
     layer_hidden: torch.Tensor | None = None
     aux_hidden: torch.Tensor | None = None
     """``[n_rows, len(aux_layers) * hidden]``: the layers of

@@ -176,6 +176,10 @@ class Eagle3TreeProposer(Proposer):
                 # pass, when a draft is asked. A gated request costs no head
                 # pass at all (until it holds more than max_held_rows), and
                 # holding is O(1) a step (a gated step must cost nothing).
+                # This step's rows are a view of the whole step's gathered
+                # rows (runner._sp_gather): held as a copy, or the view
+                # would keep every request's rows of the step alive.
+                chunks[-1] = chunks[-1].clone()
                 self._deferred[r.req_id] = (pos, chunks, n_rows)
                 continue
             aux = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
