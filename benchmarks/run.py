@@ -700,7 +700,7 @@ def check_datastores(methods: list[dict], suites) -> None:
     holds (``benchmarks/store_prompts.py``)."""
     for m in methods:
         store = m["options"].get("datastore")
-        if not store or m["skip"]:
+        if not isinstance(store, str) or not store or m["skip"]:
             continue
         held = store_prompts.overlap(store, suites)
         if held is None:
