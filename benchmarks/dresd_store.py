@@ -39,19 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     out = os.path.expanduser(args.out)
+    texts = suites.load(args.suite).texts[:args.limit]
     if os.path.exists(out) and not args.overwrite:
         try:
             DenseDatastore.open(out, verify_checksums=False)
             if not os.path.exists(store_prompts.list_path(out)):
                 # benchmarks.run checks the store against the measured prompts
-                store_prompts.record(out, suites.load(args.suite).texts[:args.limit],
-                                     [args.suite])
+                store_prompts.record(out, texts, [args.suite])
             print(f"dresd store exists: {out} (--overwrite rebuilds it)")
             return 0
         except DatastoreError as e:
             print(f"{out} is not a usable store ({e}); pass --overwrite", file=sys.stderr)
             return 1
-    texts = suites.load(args.suite).texts[:args.limit]
     with tempfile.TemporaryDirectory() as tmp:
         prompts = os.path.join(tmp, "prompts.jsonl")
         with open(prompts, "w", encoding="utf-8") as f:
