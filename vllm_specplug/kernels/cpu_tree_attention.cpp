@@ -24,16 +24,16 @@
 
 namespace {
 
-// A vf is one native register: 16 floats with AVX-512, 8 without. Wider
+// A vf is one native register: 16 floats with AVX-512, 8 with AVX2. Wider
 // GCC vectors than the ISA has are split by the compiler, and on AVX2 the
-// 16-float version spilled through the stack and scalarised exp's integer
-// conversions: 2.2 ms a layer for 8 nodes at a 1000-token context, 12x the
-// AVX-512 build and slower than the ATen path.
+// 16-float version went through the stack (its disassembly mostly scalar
+// and stack moves): 2.2 ms a layer for 8 nodes at a 1000-token context,
+// 12x the AVX-512 build and slower than the ATen path.
 #ifdef __AVX512F__
 constexpr int W = 16;  // floats in a vf
 constexpr int RB = 8;  // query rows per register block in the q.k loop
 constexpr int PB = 4;  // ... and in the p.v loop (PB x 4 accumulators)
-#else                  // 16 registers of 8 floats
+#else                  // AVX2: 16 registers of 8 floats
 constexpr int W = 8;
 constexpr int RB = 8;
 constexpr int PB = 2;
