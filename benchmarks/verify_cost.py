@@ -11,7 +11,9 @@ each verify random trees of exactly S nodes (the `oracle` method in `noise`
 mode: nothing is accepted, so every step is one target forward over
 B * (S + 1) tokens plus tree attention, sampling and the draft hand-over).
 Step time = (time for 1 + steps tokens - time for 1 token) / steps, so the
-prefill is left out. S = 0 is plain decoding. Each configuration runs in its
+prefill is left out. S = 0 is plain decoding (vLLM's own; ``--plugin-plain`` adds plain decoding
+through the plugin's engine, which has its own CPU linear kernel, so that
+the trees' own cost can be told from the kernel's gain). Each configuration runs in its
 own process; plain decoding's engine stays up beside each tree size's and
 the two are timed in turn ``--repeats`` times: ``relative_to_plain`` is the
 median of those side-by-side ratios (the machine's speed drifts between
@@ -34,10 +36,11 @@ from statistics import median
 
 
 def _engine(conn, model: str, dtype: str, batch: int, size: int, steps: int,
-            eager: bool = False, prompt_tokens: int = 100) -> None:
+            eager: bool = False, prompt_tokens: int = 100, plugin: bool = False) -> None:
     """One engine in its own process, timing ``steps`` decode steps each
     time the parent sends ``"time"`` (answers seconds per step), until
-    ``"stop"``."""
+    ``"stop"``. ``plugin`` with size 0: plain decoding through the plugin's
+    engine (the oracle drafting nothing)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -48,6 +51,8 @@ def _engine(conn, model: str, dtype: str, batch: int, size: int, steps: int,
     if size:
         spec = {"method": "oracle", "mode": "noise", "num_speculative_tokens": size,
                 "tree_size": size}
+    elif plugin:
+        spec = {"method": "oracle", "mode": "none", "num_speculative_tokens": 1}
     max_len = max(512, prompt_tokens + steps + size + 64)
     llm = LLM(model=model, dtype=dtype, max_model_len=max_len, enforce_eager=eager, seed=0,
               speculative_config=spec, max_num_seqs=max(batch, 1), kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES,
@@ -109,6 +114,10 @@ def main() -> None:
                          "(default 5; the ratio is their median)")
     ap.add_argument("--prompt-tokens", type=int, default=100,
                     help="context of every request before the timed steps (default 100)")
+    ap.add_argument("--plugin-plain", action="store_true",
+                    help="also time plain decoding through the plugin's engine (its runner "
+                         "and CPU kernels, no trees) in each round; records get "
+                         "relative_to_plugin_plain: what the trees alone cost")
     ap.add_argument("--out", default="verify_cost.json")
     ap.add_argument("--plot", default="verify_cost.png")
     args = ap.parse_args()
@@ -134,14 +143,20 @@ def main() -> None:
         plain_steps = max(3, min(args.steps, 4096 // b))
         plain = _Engine(ctx, model, args.dtype, b, 0, plain_steps, args.eager,
                         args.prompt_tokens)
+        pplain = None
+        if args.plugin_plain:
+            pplain = _Engine(ctx, model, args.dtype, b, 0, plain_steps, args.eager,
+                             args.prompt_tokens, True)
         for s in sizes:
             # small steps are noisy, big ones slow: about 4k verified tokens per point
             n_steps = max(3, min(args.steps, 4096 // (b * (s + 1))))
             eng = None if s == 0 else _Engine(ctx, model, args.dtype, b, s, n_steps,
                                               args.eager, args.prompt_tokens)
-            times, ratios = [], []
+            times, ratios, pps = [], [], []
             for _ in range(args.repeats):
                 p = plain.time()
+                if pplain is not None:
+                    pps.append(pplain.time())
                 t = p if eng is None else eng.time()
                 times.append(t)
                 ratios.append(t / p)
@@ -153,11 +168,22 @@ def main() -> None:
                    "step_ms_repeats": [round(1000 * t, 3) for t in times],
                    "relative_to_plain": median(ratios),
                    "relative_to_plain_repeats": [round(r, 4) for r in ratios]}
+            extra = ""
+            if pps:
+                rel = [t / q for t, q in zip(times, pps)]
+                rec.update(plugin_plain_step_ms=median(pps) * 1000,
+                           plugin_plain_step_ms_repeats=[round(1000 * q, 3) for q in pps],
+                           relative_to_plugin_plain=median(rel),
+                           relative_to_plugin_plain_repeats=[round(r, 4) for r in rel])
+                extra = (f"; plain through the plugin {median(pps) * 1000:.1f} ms, "
+                         f"{rec['relative_to_plugin_plain']:.2f}x that")
             records.append(rec)
             print(f"batch {b:3d}  tree {s:3d}  step {step * 1000:9.1f} ms  "
                   f"{rec['relative_to_plain']:.2f}x plain (median of {args.repeats} pairs: "
-                  + ", ".join(f"{r:.2f}" for r in ratios) + ")", flush=True)
+                  + ", ".join(f"{r:.2f}" for r in ratios) + ")" + extra, flush=True)
         plain.close()
+        if pplain is not None:
+            pplain.close()
     meta = {"model": model, "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats,
             "prompt_tokens": args.prompt_tokens,
             "enforce_eager": args.eager, "machine": machine,

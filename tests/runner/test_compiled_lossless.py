@@ -51,6 +51,9 @@ def test_oracle_random_trees_compiled(ref_model, baseline):
     assert stats["tree_drafts"] > 0 and stats["kv_moves"] > 0
     assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
     assert stats["tree_attention"] == "native"  # the CPU kernel, not the ATen fallback
+    # and the target's linear layers on the small-row kernel (kernels/cpu_linear.py):
+    # the identity above covers it, compiled
+    assert stats["cpu_linear_layers"] > 0
 
 
 def test_pld_tree_compiled(ref_model, baseline):

@@ -20,3 +20,33 @@ def test_routed_linears_compute_what_torch_computes():
         torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-4)
     # the weights stay readable (state dicts, training code)
     assert net[2].weight.shape == (12288, 1536)
+
+
+def test_only_a_specplug_load_routes_to_the_linear_kernel():
+    """Inside ``cpu_linear_routing`` (the specplug runner's model loading)
+    vLLM's dispatch hands float32 layers to the small-row kernel; after it,
+    a plain engine's layers in the same process stay vLLM's (its compile
+    cache key knows nothing of the kernel)."""
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    from vllm_specplug.kernels import cpu_linear
+    from vllm_specplug.runner.cpu_gemm import cpu_linear_routing
+
+    def prepared(k=576, n=960):
+        layer = torch.nn.Linear(k, n, bias=False)
+        # looked up at call time, as vLLM's linear layers do
+        vllm_utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        return layer
+
+    with cpu_linear_routing() as on:
+        assert on, cpu_linear._error
+        inside = prepared()
+        assert cpu_linear.take_routed() == ["576x960"]
+    outside = prepared()
+    assert cpu_linear.take_routed() == []
+    assert inside.cpu_linear.__code__ is not outside.cpu_linear.__code__  # vLLM's lambda
+    x = torch.randn(3, 576)
+    assert inside.weight.numel() == 0  # vLLM dropped the weight; the kernel has its copy
+    assert inside.cpu_linear(x, inside.weight, None).shape == (3, 960)
+    with cpu_linear_routing(on=False) as on:
+        assert not on

@@ -91,23 +91,27 @@ def _cpu_flags() -> str:
     return ""
 
 
-def library_path(cache_dir: str | None = None, march: str = MARCH) -> str:
-    """Where this machine's build of the kernel lives (built or not)."""
+def library_path(cache_dir: str | None = None, march: str = MARCH, source: str = SOURCE,
+                 flags: tuple = FLAGS) -> str:
+    """Where this machine's build of a kernel (this one by default; the
+    linear kernel passes its own source and flags) lives, built or not."""
     from vllm_specplug.models.reference import default_cache_dir
 
     cxx = os.environ.get("CXX", "g++")
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + repr((cxx, FLAGS, march)).encode()
+    with open(source, "rb") as f:
+        key = hashlib.sha256(f.read() + repr((cxx, flags, march)).encode()
                              + _cpu_flags().encode())
+    name = os.path.splitext(os.path.basename(source))[0]
     return os.path.join(cache_dir or default_cache_dir(), "kernels",
-                        f"cpu_tree_attention-{march}-{key.hexdigest()[:16]}.so")
+                        f"{name}-{march}-{key.hexdigest()[:16]}.so")
 
 
-def build(cache_dir: str | None = None, march: str = MARCH) -> str:
-    """Compile the kernel for this machine (once; a no-op when the library is
+def build(cache_dir: str | None = None, march: str = MARCH, source: str = SOURCE,
+          flags: tuple = FLAGS) -> str:
+    """Compile a kernel for this machine (once; a no-op when the library is
     there). Concurrent builders each write a temporary file and rename it
     into place: the last rename wins and every copy is the same."""
-    path = library_path(cache_dir, march)
+    path = library_path(cache_dir, march, source, flags)
     if os.path.exists(path):
         return path
     cxx = os.environ.get("CXX", "g++")
@@ -117,7 +121,7 @@ def build(cache_dir: str | None = None, march: str = MARCH) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *FLAGS, f"-march={march}", "-o", tmp, SOURCE],
+        proc = subprocess.run([cxx, *flags, f"-march={march}", "-o", tmp, source],
                               capture_output=True,
                               text=True, timeout=300)
         if proc.returncode != 0:

@@ -29,7 +29,7 @@ class OracleConfig(MethodConfig):
     (engine tests, the verification-cost benchmark)."""
     reference_file: str | None = None
     """JSON file: a list of token-id lists (prompt + greedy output). Not
-    needed in ``noise`` mode."""
+    needed in ``noise`` and ``none`` modes."""
     tree_size: int = Field(default=0, ge=0)
     """Nodes per tree; 0 means num_speculative_tokens."""
     max_depth: int = Field(default=6, ge=0)
@@ -38,12 +38,15 @@ class OracleConfig(MethodConfig):
     """Seed of the tree shapes (per request and position, so reproducible)."""
     shuffle: bool = True
     """Random topological order (exercises the KV move) instead of DFS."""
-    mode: Literal["random", "trie", "noise"] = "random"
+    mode: Literal["random", "trie", "noise", "none"] = "random"
     """``random``: one true path to a random depth among wrong tokens.
     ``trie``: every reference continuing the context, merged most frequent
     first (with sampled references this gives realistic sibling sets, for
     distribution tests). ``noise``: random tokens in a random tree of exactly
-    ``tree_size`` nodes, whatever the context (cost of verification)."""
+    ``tree_size`` nodes, whatever the context (cost of verification).
+    ``none``: no tree ever: plain decoding steps through the plugin's engine
+    (its runner, its CPU kernels), the baseline that isolates what the
+    trees themselves cost."""
     fail_on_token: int | None = None
     """Fault injection (tests of the runner's guard): ``propose`` raises
     whenever a request whose prompt holds this token id is in the batch."""
@@ -59,8 +62,8 @@ class OracleProposer(Proposer):
         if config.reference_file:
             with open(config.reference_file) as f:
                 self.refs = [list(map(int, r)) for r in json.load(f)]
-        elif config.mode != "noise":
-            raise ValueError("oracle: reference_file is required unless mode='noise'")
+        elif config.mode not in ("noise", "none"):
+            raise ValueError("oracle: reference_file is required unless mode is 'noise' or 'none'")
         self.expected_accepted = 0
         self.drafts = 0
         # A tree counts once a later step reports how much of it was
@@ -103,7 +106,7 @@ class OracleProposer(Proposer):
         out: list[DraftTree | None] = []
         for req in batch:
             self._confirm(req)
-            if req.budget <= 0:
+            if req.budget <= 0 or cfg.mode == "none":
                 out.append(None)
                 continue
             size = min(cfg.tree_size or req.budget, req.budget)

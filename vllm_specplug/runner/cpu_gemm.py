@@ -12,6 +12,7 @@ output stays lossless whatever the kernel's rounding.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -46,3 +47,43 @@ def prepare_cpu_linears(module: torch.nn.Module) -> int:
         layer.forward = _packed_forward.__get__(layer)
         n += 1
     return n
+
+
+_routing = 0  # > 0 while a specplug engine loads its models in this process
+
+
+@contextlib.contextmanager
+def cpu_linear_routing(on: bool = True):
+    """While the block runs, every float32 linear layer vLLM prepares for CPU
+    (``dispatch_cpu_unquantized_gemm``: the target's layers and LM head as
+    it loads, a drafter's through ``prepare_cpu_linears``) is offered to
+    ``kernels.cpu_linear``, which takes its small calls where it is bitwise
+    equal to vLLM's choice. Yields whether the kernel is in use. Only the
+    specplug runner's model loading routes: a plain engine started later in
+    the same process (tests, notebooks) must keep vLLM's layers, since its
+    compile cache key says nothing of the kernel."""
+    global _routing
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    from vllm_specplug.kernels import cpu_linear
+
+    if not (on and cpu_linear.ensure_loaded()):
+        yield False
+        return
+    original = vllm_utils.dispatch_cpu_unquantized_gemm
+    if not getattr(original, "_specplug", False):
+        def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+            weight = layer.weight  # vLLM may drop it (remove_weight): keep a reference
+            original(layer, remove_weight)
+            if _routing > 0 and not weight.is_meta:
+                cpu_linear.route(layer, weight)
+
+        dispatch._specplug = True
+        # linear.py and vocab_parallel_embedding.py import it from the module
+        # at call time, so replacing the module's attribute reaches both
+        vllm_utils.dispatch_cpu_unquantized_gemm = dispatch
+    _routing += 1
+    try:
+        yield True
+    finally:
+        _routing -= 1

@@ -52,7 +52,7 @@ from vllm_specplug.runner.checks import (
     check_kv_groups,
     check_layers,
 )
-from vllm_specplug.runner.cpu_gemm import prepare_cpu_linears
+from vllm_specplug.runner.cpu_gemm import cpu_linear_routing, prepare_cpu_linears
 from vllm_specplug.runner.guard import guard_for
 from vllm_specplug.runner.tree_attention import (
     CPU_KV_LAYOUTS,
@@ -280,7 +280,21 @@ class SpecplugRunnerMixin:
         self._sp_side_seconds = 0.0  # this step's prompt LM-head pass (see _sp_fill_topk)
 
     def load_model(self, *args, **kwargs) -> None:
+        # the target's (and a drafter's) linear layers on the small-row CPU
+        # kernel where it is bitwise equal to vLLM's (kernels/cpu_linear.py)
+        with cpu_linear_routing(self.device.type == "cpu") as linear_kernel:
+            self._sp_load_model(linear_kernel, *args, **kwargs)
+
+    def _sp_load_model(self, linear_kernel: bool, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
+        self._sp_linear_routed: list[str] = []
+        if linear_kernel:
+            from vllm_specplug.kernels.cpu_linear import take_routed
+
+            self._sp_linear_routed = take_routed()
+            logger.info("specplug: %d of the target's linear layers on the CPU linear "
+                        "kernel for small steps (%s)", len(self._sp_linear_routed),
+                        ", ".join(sorted(set(self._sp_linear_routed))) or "none qualified")
         model = self.get_model()
         cls = registry.get(self._sp_method)
         config = registry.build_config(self._sp_method, self._sp_options,
@@ -322,8 +336,10 @@ class SpecplugRunnerMixin:
         self._sp_aux_index: dict[int, int] = {}
         # What of the method shapes the compiled graph: the compile cache is
         # keyed by it, not by the method's options (plugin._hash_graph_not_options).
-        self.vllm_config.additional_config[ADDITIONAL_CONFIG_KEY][GRAPH_KEY] = {
-            "aux_layers": sorted(set(layers))}
+        graph = {"aux_layers": sorted(set(layers))}
+        if self._sp_linear_routed:  # the graph calls specplug::cpu_linear there
+            graph["cpu_linear"] = self._sp_linear_routed
+        self.vllm_config.additional_config[ADDITIONAL_CONFIG_KEY][GRAPH_KEY] = graph
         if not layers:
             return
         n = self.model_config.get_total_num_hidden_layers()
@@ -959,6 +975,8 @@ class SpecplugRunnerMixin:
         stats = self._sp_stats.as_dict()
         stats["live_trees"] = len(self._sp_trees)  # 0 once every request is gone
         stats["tree_attention"] = self._sp_tree_attention_path()
+        # the target's linear layers on the small-row CPU kernel (0: oneDNN only)
+        stats["cpu_linear_layers"] = len(getattr(self, "_sp_linear_routed", ()))
         if self._sp_budget is not None:
             stats["budget"] = self._sp_budget.as_dict()
         if self._sp_proposer is not None:
