@@ -132,6 +132,10 @@ def _budget_delta(before: dict, after: dict) -> dict:
     return out
 
 
+_LEVELS = {"live_trees", "cpu_linear_layers"}
+"""Numbers in ``specplug_stats()`` that are levels: kept as of the suite's end."""
+
+
 def _stats_delta(before: dict | None, after: dict | None,
                  method: str | None = None) -> dict | None:
     if before is None or after is None:
@@ -140,6 +144,9 @@ def _stats_delta(before: dict | None, after: dict | None,
     for key, value in after.items():
         prev = before.get(key)
         if isinstance(value, bool) or key.startswith("mean_"):
+            continue
+        if key in _LEVELS:  # how things stand, not running totals
+            out[key] = value
             continue
         if key == "method" and isinstance(value, dict) and isinstance(prev, dict):
             out[key] = _method_delta(prev, value, after.get("method_counters", []), method)

@@ -51,3 +51,12 @@ def test_budget_counters_are_per_suite_estimates_as_of_the_end():
     assert b["expected_accepted"] == 6.5
     assert b["size_hist"] == {0: 7, 4: 3}
     assert b["calibration"] == 0.8 and b["step_ms_by_rows"] == {"1": 31.0, "4": 40.0}
+
+
+def test_levels_are_kept_not_subtracted():
+    """How many linear layers the kernel took (and the live trees) are
+    levels: a suite of a routed engine must not report 0 routed layers."""
+    before = {"drafts": 5, "live_trees": 2, "cpu_linear_layers": 92}
+    after = {"drafts": 9, "live_trees": 0, "cpu_linear_layers": 92}
+    d = _stats_delta(before, after)
+    assert d["drafts"] == 4 and d["live_trees"] == 0 and d["cpu_linear_layers"] == 92
