@@ -58,8 +58,6 @@ _error: str | None = None
 @dataclass
 class _Layer:
     packed: torch.Tensor  # [N / panel][K][panel]
-    n: int
-    k: int
     fallback: Callable  # vLLM's own cpu_linear for this layer
     weight: torch.Tensor  # what vLLM passes its cpu_linear (may be empty)
 
@@ -86,16 +84,14 @@ def ensure_loaded() -> bool:
     with _lock:
         if not _tried:
             _tried = True
-            try:
-                _lib = open_library(build())
-            except Exception as e:  # noqa: BLE001 - any failure means: oneDNN only
-                _error = str(e)
-                from vllm.logger import init_logger
-
-                init_logger(__name__).warning(
-                    "specplug: the CPU linear kernel is not available (%s); "
-                    "vLLM's oneDNN runs every linear layer (same results)", _error)
+            _error = _build.load_or_warn(_open, "the CPU linear kernel",
+                                         "vLLM's oneDNN runs every linear layer (same results)")
     return _lib is not None
+
+
+def _open() -> None:
+    global _lib
+    _lib = open_library(build())
 
 
 def build(cache_dir: str | None = None, march: str = _build.MARCH) -> str:
@@ -200,14 +196,14 @@ def route(layer: torch.nn.Module, weight: torch.Tensor) -> bool:
     if getattr(layer, "bias", None) is not None or getattr(layer, "cpu_linear", None) is None:
         return False
     n, k = weight.shape
-    if n % panel() != 0 or weight.device.type != "cpu":
+    if n % panel() != 0 or weight.device.type != "cpu" or _checked.get((k, n)) is False:
         return False
     packed = pack(weight)
     fallback = layer.cpu_linear
     if not equal_to(fallback, layer.weight, packed, n, k):
         return False
     handle = next(_next)
-    _layers[handle] = _Layer(packed, n, k, fallback, layer.weight)
+    _layers[handle] = _Layer(packed, fallback, layer.weight)
     weakref.finalize(layer, _layers.pop, handle, None)
     h = _Handle(handle)
     layer.cpu_linear = lambda x, w, bias: torch.ops.specplug.cpu_linear(x, h.tensor, n, bias)

@@ -142,20 +142,34 @@ def ensure_loaded() -> bool:
     with _lock:
         if not _tried:
             _tried = True
-            try:
-                _lib = open_library(build())
-                err = self_check()
-                if err is not None:
-                    _lib = None
-                    raise RuntimeError(f"self-check failed: {err}")
-            except Exception as e:  # noqa: BLE001 - any failure means: use the ATen path
-                _error = str(e)
-                from vllm.logger import init_logger
-
-                init_logger(__name__).warning(
-                    "specplug: the native CPU tree attention is not available (%s); "
-                    "using the slower ATen path (same results)", _error)
+            _error = load_or_warn(_open_checked, "the native CPU tree attention",
+                                  "using the slower ATen path (same results)")
     return _lib is not None
+
+
+def _open_checked() -> None:
+    global _lib
+    _lib = open_library(build())
+    err = self_check()  # calls the kernel through _lib
+    if err is not None:
+        _lib = None
+        raise RuntimeError(f"self-check failed: {err}")
+
+
+def load_or_warn(load, what: str, instead: str) -> str | None:
+    """Run ``load`` (build, open, check a native kernel); on any failure log
+    once that ``what`` is not available and what runs ``instead``, and
+    return the reason (None when it loaded). Shared by the native kernels:
+    a missing compiler or a failed check must never stop the engine."""
+    try:
+        load()
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means: the fallback path
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning("specplug: %s is not available (%s); %s", what, e,
+                                      instead)
+        return str(e)
 
 
 def open_library(path: str) -> ctypes.CDLL:

@@ -82,6 +82,8 @@ def cpu_linear_routing(on: bool = True):
         # linear.py and vocab_parallel_embedding.py import it from the module
         # at call time, so replacing the module's attribute reaches both
         vllm_utils.dispatch_cpu_unquantized_gemm = dispatch
+    if _routing == 0:
+        cpu_linear.take_routed()  # what routed before this load is not this load's
     _routing += 1
     try:
         yield True
