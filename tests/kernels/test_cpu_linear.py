@@ -43,10 +43,13 @@ def _vllm_linear(k: int, n: int, bias: bool = False, seed: int = 0) -> torch.nn.
     return layer
 
 
-@pytest.mark.parametrize("k,n", [(576, 960), (100, 48), (1536, 576), (129, 96)])
-def test_values_match_float64(k, n):
-    """K not a multiple of the k chunk, N a few panels: every row count up
-    to MAX_ROWS against float64 (the yardstick is not the kernel)."""
+@pytest.mark.parametrize("k,n,block", [(576, 960, 0), (100, 48, 0), (1536, 576, 0),
+                                       (1536, 576, 1024), (129, 96, 0), (129, 96, 50),
+                                       (2100, 48, 1024)])
+def test_values_match_float64(k, n, block):
+    """K not a multiple of the k chunk, N a few panels, summed blocks that
+    do and do not line up with the k chunks: every row count up to MAX_ROWS
+    against float64 (the yardstick is not the kernel)."""
     g = torch.Generator().manual_seed(k * n)
     w = torch.randn(n, k, generator=g)
     if n % cpu_linear.panel():
@@ -54,7 +57,7 @@ def test_values_match_float64(k, n):
     packed = cpu_linear.pack(w)
     for m in range(1, cpu_linear.MAX_ROWS + 1):
         x = torch.randn(m, k, generator=g)
-        got = cpu_linear.matmul(x, packed, n).double()
+        got = cpu_linear.matmul(x, packed, n, block).double()
         want = x.double() @ w.double().T
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5), m
 
@@ -69,7 +72,7 @@ def test_routed_layers_keep_onednn_bits(k, n):
     layer = _vllm_linear(k, n)
     routed = cpu_linear.route(layer, layer.weight)
     if not routed:
-        assert not cpu_linear._checked[(k, n)], "refused for another reason"
+        assert cpu_linear._checked[(k, n)] is None, "refused for another reason"
         assert layer.cpu_linear.__code__ is twin.cpu_linear.__code__  # still vLLM's
         return
     g = torch.Generator().manual_seed(7)
@@ -90,6 +93,30 @@ def test_the_reference_models_small_shapes_route_on_x86():
         pytest.skip("oneDNN's order is only known for x86")
     layer = _vllm_linear(576, 960)
     assert cpu_linear.route(layer, layer.weight)
+
+
+def test_the_down_projection_routes_with_onednns_blocks_on_x86():
+    """oneDNN sums K = 1536 as two blocks (k < 1024, k >= 1024): the check
+    finds that order, so the reference model's down projections route too;
+    and the plain one-chain order is indeed not oneDNN's there (else the
+    block search would prove nothing)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("oneDNN's order is only known for x86")
+    layer = _vllm_linear(1536, 576, seed=5)
+    assert cpu_linear.route(layer, layer.weight)
+    assert cpu_linear._checked[(1536, 576)] == 1024
+    x = torch.randn(4, 1536)
+    packed = cpu_linear.pack(layer.weight)
+    assert not torch.equal(cpu_linear.matmul(x, packed, 576, 0),
+                           layer.cpu_linear(x, layer.weight, None))
+
+
+def test_more_rows_than_the_kernel_takes_are_refused():
+    packed = cpu_linear.pack(torch.randn(48, 64))
+    with pytest.raises(ValueError, match="rows"):
+        cpu_linear.matmul(torch.randn(cpu_linear.MAX_ROWS + 1, 64), packed, 48)
 
 
 def test_inside_torch_compile():

@@ -2,14 +2,16 @@
 // steps), on weights packed once into panels of NP output columns (see
 // cpu_linear.py for why it exists and how it is checked before use).
 //
-// Each output element is one chain of fused multiply-adds over k = 0..K-1 in
-// order, starting from zero: the order vLLM's oneDNN path uses for the
-// shapes where the load-time check finds them bitwise equal (a row's result
+// Each output element is summed in the order vLLM's oneDNN path uses for the
+// shapes where the load-time check finds them bitwise equal: k is cut into
+// blocks of KB (oneDNN's brgemm: 1024 here), each block one chain of fused
+// multiply-adds over its k in order starting from zero, and the blocks'
+// sums added in order (KB <= 0: one chain over all of K). A row's result
 // then does not depend on how many rows share the call, which is what keeps
-// float32 tree verification token-identical). The k loop is cut into chunks
-// of KC with the partial sums parked in y between chunks -- the same chain,
-// so the same bits -- so that a panel's chunk, read from memory by the first
-// block of rows, is still in L1 for the next blocks.
+// float32 tree verification token-identical. Within a block the k loop is
+// cut into chunks of KC with the partial chain parked between chunks -- the
+// same chain, so the same bits -- so that a panel's chunk, read from memory
+// by the first block of rows, is still in L1 for the next blocks of rows.
 
 #include <omp.h>
 
@@ -28,6 +30,9 @@ constexpr int MB = 6;
 constexpr int NV = 2;            // registers of columns per panel
 constexpr int NP = W * NV;       // columns per panel
 constexpr int64_t KC = 128;      // k per chunk: NP x KC floats stay in L1
+constexpr int64_t PF = 64;       // k ahead to prefetch: the panel streams in while
+                                 // the FMAs run (~5-10 % at 9-17 rows on AVX2)
+constexpr int MAX_M = 64;        // rows one call may take (cpu_linear.py sends <= 24)
 typedef float vf __attribute__((vector_size(W * 4)));
 
 inline vf load(const float* p) {
@@ -37,32 +42,53 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// R rows of one panel over k in [k0, k1), continuing the chains parked in y.
+// Where R rows of one panel continue their chains from and go to: ``in``
+// (nullptr: start from zero) and ``out``, with ``add`` (if not nullptr)
+// added to the chain -- the sum of the earlier blocks -- when a block ends.
+struct Io {
+  const float* in;
+  int64_t ldi;
+  float* out;
+  int64_t ldo;
+  const float* add;
+  int64_t lda;
+  Io at(int64_t m) const {
+    return {in ? in + m * ldi : nullptr, ldi, out + m * ldo, ldo, add ? add + m * lda : nullptr,
+            lda};
+  }
+};
+
+// R rows of one panel over k in [k0, k1).
 template <int R>
-void rows(const float* x, int64_t K, const float* wp, int64_t k0, int64_t k1, float* y,
-          int64_t N) {
+void rows(const float* x, int64_t K, const float* wp, int64_t k0, int64_t k1, Io io,
+          bool prefetch) {
   vf acc[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = k0 == 0 ? vf{} : load(y + r * N + v * W);
+    for (int v = 0; v < NV; ++v) acc[r][v] = io.in ? load(io.in + r * io.ldi + v * W) : vf{};
   for (int64_t k = k0; k < k1; ++k) {
     vf w[NV];
     for (int v = 0; v < NV; ++v) w[v] = load(wp + k * NP + v * W);
+    if (prefetch) __builtin_prefetch(wp + (k + PF) * NP, 0, 3);
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x[r * K + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * w[v];  // one FMA (-ffp-contract=fast)
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store(y + r * N + v * W, acc[r][v]);
+    for (int v = 0; v < NV; ++v) {
+      vf s = acc[r][v];
+      if (io.add) s = load(io.add + r * io.lda + v * W) + s;  // a plain add: blocks' sums
+      store(io.out + r * io.ldo + v * W, s);
+    }
 }
 
 // The last r < MB rows, as one block of exactly r.
 template <int R>
-void rest(const float* x, int64_t K, const float* wp, int64_t k0, int64_t k1, float* y,
-          int64_t N, int64_t r) {
+void rest(const float* x, int64_t K, const float* wp, int64_t k0, int64_t k1, Io io,
+          bool prefetch, int64_t r) {
   if constexpr (R > 0) {
-    if (r == R) return rows<R>(x, K, wp, k0, k1, y, N);
-    rest<R - 1>(x, K, wp, k0, k1, y, N, r);
+    if (r == R) return rows<R>(x, K, wp, k0, k1, io, prefetch);
+    rest<R - 1>(x, K, wp, k0, k1, io, prefetch, r);
   }
 }
 
@@ -71,6 +97,7 @@ void rest(const float* x, int64_t K, const float* wp, int64_t k0, int64_t k1, fl
 extern "C" {
 
 int specplug_linear_panel() { return NP; }
+int specplug_linear_max_rows() { return MAX_M; }
 
 // wp[N / NP][K][NP] from w[N, K] (N a multiple of NP).
 void specplug_linear_pack(const float* w, int64_t N, int64_t K, float* wp) {
@@ -80,19 +107,30 @@ void specplug_linear_pack(const float* w, int64_t N, int64_t K, float* wp) {
       for (int j = 0; j < NP; ++j) wp[(p * K + k) * NP + j] = w[(p * NP + j) * K + k];
 }
 
-// x[M, K] contiguous, y[M, N] contiguous; panels split across the threads.
+// x[M, K] contiguous (M <= MAX_M), y[M, N] contiguous; panels split across
+// the threads; KB as above.
 void specplug_linear(const float* x, int64_t M, int64_t K, const float* wp, int64_t N,
-                     float* y) {
+                     float* y, int64_t KB) {
   const int64_t P = N / NP;
+  if (KB <= 0 || KB > K) KB = K;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < P; ++p) {
     const float* w = wp + p * K * NP;
     float* yp = y + p * NP;
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+    float part[MAX_M * NP];  // the chain of a block after the first, between chunks
+    for (int64_t k0 = 0; k0 < K;) {
+      const int64_t b0 = k0 - k0 % KB, b1 = b0 + KB < K ? b0 + KB : K;  // this block
+      const int64_t k1 = k0 + KC < b1 ? k0 + KC : b1;
+      // The first block's chain is parked in y itself; later ones in part,
+      // added to y when they end.
+      float* park = b0 == 0 ? yp : part;
+      const int64_t ld = b0 == 0 ? N : NP;
+      Io io{k0 == b0 ? nullptr : park, ld, park, ld, nullptr, N};
+      if (k1 == b1 && b0 > 0) io = Io{io.in, ld, yp, N, yp, N};
       int64_t m = 0;
-      for (; m + MB <= M; m += MB) rows<MB>(x + m * K, K, w, k0, k1, yp + m * N, N);
-      if (m < M) rest<MB - 1>(x + m * K, K, w, k0, k1, yp + m * N, N, M - m);
+      for (; m + MB <= M; m += MB) rows<MB>(x + m * K, K, w, k0, k1, io.at(m), m == 0);
+      if (m < M) rest<MB - 1>(x + m * K, K, w, k0, k1, io.at(m), m == 0, M - m);
+      k0 = k1;
     }
   }
 }

@@ -9,19 +9,20 @@ and on AVX2 its cost grows with the rows: 9 rows cost ~1.5x one row, so an
 alone. ``cpu_linear.cpp`` reads each weight panel from memory once for all
 rows (up to ``MAX_ROWS``) and keeps the FMA units busy.
 
-Why it stays lossless: vLLM's oneDNN computes each output of these shapes as
-one FMA chain over k in order, whatever the number of rows (that is what
-keeps float32 tree verification token-identical), and so does the kernel.
-That is checked, not assumed: before a layer shape is routed, every row
-count 1..``MAX_ROWS`` is run through both on random inputs and must match
-bit for bit; a shape that does not (the reference model's K = 1536 down
-projection, whose oneDNN order is different) stays on oneDNN, as does every
-call with more rows (prefill, large batches), layers with a bias and other
-dtypes. The op is a torch custom op, so the compiled graph calls it like
-``onednn_mm``; the routing is part of the compile cache's key.
+Why it stays lossless: vLLM's oneDNN computes each output as FMA chains over
+blocks of up to 1024 k in order, each block from zero, the blocks' sums
+added in order -- whatever the number of rows (that is what keeps float32
+tree verification token-identical) -- and so does the kernel. That is
+checked, not assumed: before a layer shape is routed, every row count
+1..``MAX_ROWS`` is run through both on random inputs and must match bit for
+bit, for one of the block sizes in ``SUM_BLOCKS``; a shape that matches none
+stays on oneDNN, as does every call with more rows (prefill, large
+batches), layers with a bias and other dtypes. The op is a torch op, so the
+compiled graph calls it like ``onednn_mm``; the routing is part of the
+compile cache's key.
 
 Cost: a packed copy of every routed weight (oneDNN keeps its own for the
-calls with more rows): +0.4 GB on the reference model in float32.
+calls with more rows): +0.5 GB on the reference model in float32.
 
 Built like ``cpu_tree_attention`` (same build and cache, its own source and
 ``-ffp-contract=fast``: the chain must be fused multiply-adds). Used only in
@@ -48,6 +49,12 @@ ENV_SWITCH = "SPECPLUG_CPU_LINEAR"
 MAX_ROWS = 24
 """Calls with more rows go to oneDNN (which wins once it is compute-bound);
 the load-time check covers every row count up to this."""
+SUM_BLOCKS = (0, 1024)
+"""The k-block sizes tried, in order, for a shape's load-time check (0: one
+chain over all of K). oneDNN's brgemm on x86 sums K in blocks of 1024 (found
+on the reference model's K = 1536 down projection: chains over k < 1024 and
+k >= 1024 added; likewise at K = 1025, 1152, 2048, 2560, 3072 and 4096); a
+block of at least K is one chain, so for K <= 1024 only 0 is tried."""
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -58,6 +65,7 @@ _error: str | None = None
 @dataclass
 class _Layer:
     packed: torch.Tensor  # [N / panel][K][panel]
+    block: int  # k per summed block (SUM_BLOCKS), as oneDNN sums this shape
     fallback: Callable  # vLLM's own cpu_linear for this layer
     weight: torch.Tensor  # what vLLM passes its cpu_linear (may be empty)
 
@@ -68,7 +76,7 @@ class _Layer:
 # layer is garbage-collected (tests start many engines in one process).
 _layers: dict[int, _Layer] = {}
 _next = itertools.count()
-_checked: dict[tuple[int, int], bool] = {}  # (K, N) -> bitwise equal to oneDNN
+_checked: dict[tuple[int, int], Optional[int]] = {}  # (K, N) -> block equal to oneDNN, or None
 
 
 def enabled() -> bool:
@@ -103,12 +111,16 @@ def build(cache_dir: str | None = None, march: str = _build.MARCH) -> str:
 def open_library(path: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     lib.specplug_linear_panel.restype = ctypes.c_int
+    lib.specplug_linear_max_rows.restype = ctypes.c_int
+    if lib.specplug_linear_max_rows() < MAX_ROWS:
+        raise RuntimeError(f"{path} takes fewer than MAX_ROWS={MAX_ROWS} rows (a stale build?)")
     for fn in (lib.specplug_linear_pack, lib.specplug_linear):
         fn.restype = None
     lib.specplug_linear_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_void_p]
     lib.specplug_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_int64]
     return lib
 
 
@@ -125,12 +137,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] float32 @ the packed weight's transpose -> [M, N]."""
+def matmul(x: torch.Tensor, packed: torch.Tensor, n: int, block: int = 0) -> torch.Tensor:
+    """x [M, K] float32 (M <= MAX_ROWS) @ the packed weight's transpose ->
+    [M, N], summing k in blocks of ``block`` (0: one chain)."""
     x = x.contiguous()
+    if not 0 < x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"the CPU linear kernel takes 1..{MAX_ROWS} rows, got {x.shape[0]}")
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     _lib.specplug_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), n,
-                         y.data_ptr())
+                         y.data_ptr(), block)
     return y
 
 
@@ -141,7 +156,7 @@ def _forward(x: torch.Tensor, handle: torch.Tensor, n: int,
     layer = _layers[int(handle)]
     if 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32 \
             and bias is None:
-        return matmul(x, layer.packed, n)
+        return matmul(x, layer.packed, n, layer.block)
     return layer.fallback(x, layer.weight, bias)
 
 
@@ -168,22 +183,29 @@ class _Handle:
         self.tensor = torch.tensor(handle, dtype=torch.int64)
 
 
-def equal_to(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor, n: int,
-             k: int) -> bool:
-    """Whether the kernel gives ``fallback``'s bits for every row count up
-    to ``MAX_ROWS`` (random inputs, including a row of large and tiny
-    magnitudes). Checked once per shape: the order of oneDNN's sums
-    depends on the shape, not on the weights' values."""
+def sum_block(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor, n: int,
+              k: int) -> Optional[int]:
+    """The block size of ``SUM_BLOCKS`` with which the kernel gives
+    ``fallback``'s bits for every row count up to ``MAX_ROWS`` (random
+    inputs, including a row of large and tiny magnitudes), or None. Checked
+    once per shape: the order of oneDNN's sums depends on the shape, not on
+    the weights' values."""
     if (k, n) not in _checked:
-        g = torch.Generator().manual_seed(1234)
-        ok = True
-        for m in range(1, MAX_ROWS + 1):
-            x = torch.randn(m, k, generator=g)
-            x[0] *= torch.logspace(-6, 6, k)
-            if not torch.equal(fallback(x, weight, None), matmul(x, packed, n)):
-                ok = False
+        _checked[(k, n)] = None
+        for block in SUM_BLOCKS:
+            if 0 < block and block >= k:
+                continue  # one chain: the same as 0, tried first
+            g = torch.Generator().manual_seed(1234)
+            ok = True
+            for m in range(1, MAX_ROWS + 1):
+                x = torch.randn(m, k, generator=g)
+                x[0] *= torch.logspace(-6, 6, k)
+                if not torch.equal(fallback(x, weight, None), matmul(x, packed, n, block)):
+                    ok = False
+                    break
+            if ok:
+                _checked[(k, n)] = block
                 break
-        _checked[(k, n)] = ok
     return _checked[(k, n)]
 
 
@@ -196,14 +218,16 @@ def route(layer: torch.nn.Module, weight: torch.Tensor) -> bool:
     if getattr(layer, "bias", None) is not None or getattr(layer, "cpu_linear", None) is None:
         return False
     n, k = weight.shape
-    if n % panel() != 0 or weight.device.type != "cpu" or _checked.get((k, n)) is False:
+    if n % panel() != 0 or weight.device.type != "cpu" \
+            or ((k, n) in _checked and _checked[(k, n)] is None):
         return False
     packed = pack(weight)
     fallback = layer.cpu_linear
-    if not equal_to(fallback, layer.weight, packed, n, k):
+    block = sum_block(fallback, layer.weight, packed, n, k)
+    if block is None:
         return False
     handle = next(_next)
-    _layers[handle] = _Layer(packed, fallback, layer.weight)
+    _layers[handle] = _Layer(packed, block, fallback, layer.weight)
     weakref.finalize(layer, _layers.pop, handle, None)
     h = _Handle(handle)
     layer.cpu_linear = lambda x, w, bias: torch.ops.specplug.cpu_linear(x, h.tensor, n, bias)

@@ -63,7 +63,10 @@ from vllm_specplug.runner.tree_attention import (
     read_context_kv,
 )
 
-logger = init_logger(__name__)
+# Under vLLM's logger (not this module's name, which nothing configures):
+# else the INFO lines -- the method, the tree attention path, the routed
+# linear layers -- never show in a server's start-up log.
+logger = init_logger("vllm.specplug.runner")
 
 
 def _expand_kernel_cpu(output, input_val, cu_num_tokens, replace_from,
