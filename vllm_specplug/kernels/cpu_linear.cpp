@@ -42,20 +42,17 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// Where R rows of one panel continue their chains from and go to: ``in``
-// (nullptr: start from zero) and ``out``, with ``add`` (if not nullptr)
-// added to the chain -- the sum of the earlier blocks -- when a block ends.
+// Where R rows of one panel continue their chains from (``in``; nullptr:
+// start from zero) and go to (``out``); ``accumulate``: a block after the
+// first ends here, its chain is added to what ``out`` holds (the earlier
+// blocks' sum).
 struct Io {
   const float* in;
   int64_t ldi;
   float* out;
   int64_t ldo;
-  const float* add;
-  int64_t lda;
-  Io at(int64_t m) const {
-    return {in ? in + m * ldi : nullptr, ldi, out + m * ldo, ldo, add ? add + m * lda : nullptr,
-            lda};
-  }
+  bool accumulate;
+  Io at(int64_t m) const { return {in ? in + m * ldi : nullptr, ldi, out + m * ldo, ldo, accumulate}; }
 };
 
 // R rows of one panel over k in [k0, k1).
@@ -77,7 +74,7 @@ void rows(const float* x, int64_t K, const float* wp, int64_t k0, int64_t k1, Io
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) {
       vf s = acc[r][v];
-      if (io.add) s = load(io.add + r * io.lda + v * W) + s;  // a plain add: blocks' sums
+      if (io.accumulate) s = load(io.out + r * io.ldo + v * W) + s;  // a plain add: blocks' sums
       store(io.out + r * io.ldo + v * W, s);
     }
 }
@@ -125,8 +122,9 @@ void specplug_linear(const float* x, int64_t M, int64_t K, const float* wp, int6
       // added to y when they end.
       float* park = b0 == 0 ? yp : part;
       const int64_t ld = b0 == 0 ? N : NP;
-      Io io{k0 == b0 ? nullptr : park, ld, park, ld, nullptr, N};
-      if (k1 == b1 && b0 > 0) io = Io{io.in, ld, yp, N, yp, N};
+      const bool ends_later_block = k1 == b1 && b0 > 0;
+      const Io io{k0 == b0 ? nullptr : park, ld, ends_later_block ? yp : park,
+                  ends_later_block ? N : ld, ends_later_block};
       int64_t m = 0;
       for (; m + MB <= M; m += MB) rows<MB>(x + m * K, K, w, k0, k1, io.at(m), m == 0);
       if (m < M) rest<MB - 1>(x + m * K, K, w, k0, k1, io.at(m), m == 0, M - m);

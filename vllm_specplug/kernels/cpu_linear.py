@@ -183,6 +183,17 @@ class _Handle:
         self.tensor = torch.tensor(handle, dtype=torch.int64)
 
 
+def _equal_at_every_row_count(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor,
+                              n: int, k: int, block: int) -> bool:
+    g = torch.Generator().manual_seed(1234)
+    for m in range(1, MAX_ROWS + 1):
+        x = torch.randn(m, k, generator=g)
+        x[0] *= torch.logspace(-6, 6, k)
+        if not torch.equal(fallback(x, weight, None), matmul(x, packed, n, block)):
+            return False
+    return True
+
+
 def sum_block(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor, n: int,
               k: int) -> Optional[int]:
     """The block size of ``SUM_BLOCKS`` with which the kernel gives
@@ -191,21 +202,10 @@ def sum_block(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor, n:
     once per shape: the order of oneDNN's sums depends on the shape, not on
     the weights' values."""
     if (k, n) not in _checked:
-        _checked[(k, n)] = None
-        for block in SUM_BLOCKS:
-            if 0 < block and block >= k:
-                continue  # one chain: the same as 0, tried first
-            g = torch.Generator().manual_seed(1234)
-            ok = True
-            for m in range(1, MAX_ROWS + 1):
-                x = torch.randn(m, k, generator=g)
-                x[0] *= torch.logspace(-6, 6, k)
-                if not torch.equal(fallback(x, weight, None), matmul(x, packed, n, block)):
-                    ok = False
-                    break
-            if ok:
-                _checked[(k, n)] = block
-                break
+        _checked[(k, n)] = next(
+            (block for block in SUM_BLOCKS
+             if not 0 < k <= block  # a block covering K is one chain: 0, tried first
+             and _equal_at_every_row_count(fallback, weight, packed, n, k, block)), None)
     return _checked[(k, n)]
 
 
