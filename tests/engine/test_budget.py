@@ -419,3 +419,31 @@ def test_side_work_counts_as_drafting_cost():
     fresh = BudgetController()
     fresh.observe_side(0.25)  # one long prompt's pass: a share, not a step's cost
     assert fresh.gate.side_seconds == pytest.approx(0.005)
+
+
+def test_side_work_waits_until_drafting_has_paid_once():
+    # A cold engine: the gate is open (nothing judged yet) but no draft has
+    # paid, so a prompt's LM-head pass (side work) is not done yet -- a
+    # method whose drafts start empty would otherwise pay it over the whole
+    # first burst of prompts before any evidence.
+    ctl = BudgetController()
+    assert ctl.draft_now() and not ctl.side_work
+    assert ctl.as_dict()["gate_proven"] is False
+    bad = _one_node_controller(0.05, 50.0)  # drafting does not pay
+    bad.draft_now()
+    bad.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert not bad.side_work
+    for _ in range(40):  # closed; exploring steps never do side work
+        bad.draft_now()
+        assert not bad.side_work
+    good = _one_node_controller(0.9, 50.0)  # drafting pays
+    assert good.draft_now() and not good.side_work
+    good.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert good.draft_now() and good.side_work
+    # proven stays proven; a closed gate (and its exploring steps) still
+    # skips the side work, an open one does it again
+    good.gate.judge(False)
+    seen = [(good.draft_now(), good.side_work) for _ in range(3)]
+    assert seen == [(False, False), (False, False), (True, False)]
+    good.gate.judge(True)
+    assert good.draft_now() and good.side_work

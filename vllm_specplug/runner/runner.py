@@ -744,6 +744,7 @@ class SpecplugRunnerMixin:
         if drafting and self._sp_budget is not None and self._sp_budget.exploring:
             self._sp_explore_turn += 1
             explore = self._sp_explore_turn % max(1, len(self.input_batch.req_ids))
+        side_work = self._sp_budget.side_work if self._sp_budget is not None else True
         plan = []
         for i, rid in enumerate(self.input_batch.req_ids):
             n_sched = scheduler_output.num_scheduled_tokens[rid]
@@ -795,10 +796,11 @@ class SpecplugRunnerMixin:
             if aux is not None:
                 sreq.aux_hidden = aux[at:at + n]
             at += n
-            # a prompt's LM-head pass only with the gate open: in a closed
-            # gate's exploring step only one decoding request drafts
+            # a prompt's LM-head pass only with the gate open and proven
+            # (engine/budget.DraftGate.side_work): in a closed gate's
+            # exploring step only one decoding request drafts
             self._sp_fill_topk(sreq, state, i, rel, is_decode, hidden_states, rows,
-                               first, n_sched, drafting and explore == -1)
+                               first, n_sched, side_work)
             if needs.entropy:
                 self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
@@ -922,9 +924,10 @@ class SpecplugRunnerMixin:
 
     def _sp_fill_topk(self, sreq, state, i, rel, is_decode, hidden_states, rows,
                       first, n_sched, drafting: bool = True) -> None:
-        """``drafting``: the budget's gate is open. While it is closed the
-        prompt's LM-head pass (``Needs.prefill_topk``) is skipped: it only
-        serves drafts, which do not pay now, and over a long prompt it costs
+        """``drafting``: the budget allows side work (its gate is open and
+        drafting has paid once). Otherwise the prompt's LM-head pass
+        (``Needs.prefill_topk``) is skipped: it only serves drafts, which do
+        not pay now (or have not paid yet), and over a long prompt it costs
         about a fifth of the prefill (issue 21: recycle/graft/adapld at
         batch 8 on summarization). A closed gate's exploring steps skip it
         too (one decoding request drafts there; a prompt arriving in such a
