@@ -247,6 +247,12 @@ def run(job: dict) -> dict:
             warm = [TokensPrompt(prompt_token_ids=ids)] * min(2, job["batch_size"])
             llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16,
                                               ignore_eos=True), use_tqdm=False)
+        if job.get("kind") == "specplug":
+            # the warm-up is for shapes, not for learning: repetitive filler
+            # is drafted almost perfectly and would open the budget's gate
+            # for the first suite (engine/budget.BudgetController.reset_learning);
+            # the first suite meets what a user's first requests meet
+            llm.collective_rpc("specplug_reset_budget")
         _progress(fd, event="warmed")
         for suite in job["suites"]:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in suite["prompts"]]

@@ -447,3 +447,18 @@ def test_side_work_waits_until_drafting_has_paid_once():
     assert seen == [(False, False), (False, False), (True, False)]
     good.gate.judge(True)
     assert good.draft_now() and good.side_work
+
+
+def test_reset_learning_keeps_the_step_costs_only():
+    # a warm-up of filler proved drafting; reset_learning makes the
+    # controller cold again (gate open, unproven, prior acceptance,
+    # calibration 1) but keeps what the hardware's steps cost
+    ctl = _one_node_controller(0.9, 50.0)
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    ctl._cal_expected, ctl._cal_realised = 100.0, 10.0
+    assert ctl.gate.proven and ctl.calibration < 1.0
+    ctl.reset_learning()
+    assert not ctl.gate.proven and ctl.gate.open and ctl.gate.draft_seconds == 0.0
+    assert ctl.calibration == 1.0
+    assert ctl.acceptance.rates(None)[0, 0] == pytest.approx(AcceptanceModel().prior)
+    assert ctl.cost(1) == pytest.approx(0.100)

@@ -521,6 +521,22 @@ class BudgetController:
         (5 tokens of prior evidence at 1)."""
         return min(1.0, (self._cal_realised + 5.0) / (self._cal_expected + 5.0))
 
+    def reset_learning(self) -> None:
+        """Forget what the controller learned about acceptance (estimates,
+        calibration, the gate and its drafting costs), keeping the step-cost
+        curve, which is the hardware's. A warm-up of filler text (the
+        benchmark's, run so that first-use costs of new shapes do not land
+        on the first suite) would otherwise teach the gate that drafting
+        pays -- repetitive filler is drafted almost perfectly -- and the
+        first real prompts then meet a proven, open gate instead of a cold
+        engine's (seen: `recycle` paid its prompt LM-head pass over a
+        batch-8 summarization burst, 0.81x)."""
+        self.acceptance = AcceptanceModel()
+        self.gate = DraftGate()
+        self._pending.clear()
+        self._expected.clear()
+        self._cal_expected, self._cal_realised = 0.0, 0.0
+
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
         self._expected.pop(req_id, None)
@@ -528,13 +544,6 @@ class BudgetController:
 
     def observe_step(self, rows: int, seconds: float) -> None:
         self.cost.observe(rows, seconds)
-
-    @property
-    def side_work(self) -> bool:
-        """Do drafting-only side work this step? Only with the gate open,
-        outside an exploring step (one decoding request drafts there), and
-        once drafting has paid at least once."""
-        return self.open and self.proven and not self.exploring
 
     def draft_now(self) -> bool:
         """Whether the runner should ask the method for drafts this step."""

@@ -27,3 +27,6 @@ class SpecplugCPUWorker(_cpu_worker.CPUWorker):
 
     def specplug_stats(self) -> dict:
         return self.model_runner.specplug_stats()
+
+    def specplug_reset_budget(self) -> bool:
+        return self.model_runner.specplug_reset_budget()

@@ -20,3 +20,6 @@ class SpecplugGPUWorker(Worker):
 
     def specplug_stats(self) -> dict:
         return self.model_runner.specplug_stats()
+
+    def specplug_reset_budget(self) -> bool:
+        return self.model_runner.specplug_reset_budget()

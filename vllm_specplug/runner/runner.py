@@ -977,6 +977,16 @@ class SpecplugRunnerMixin:
 
         return "native" if cpu_tree_attention.loaded() else "aten"
 
+    def specplug_reset_budget(self) -> bool:
+        """Forget the budget's learned acceptance and gate, keep its step
+        costs (engine/budget.BudgetController.reset_learning). For a
+        warm-up that must not teach: ``llm.collective_rpc(
+        "specplug_reset_budget")``. False without a budget."""
+        if self._sp_budget is None:
+            return False
+        self._sp_budget.reset_learning()
+        return True
+
     def specplug_stats(self) -> dict[str, Any]:
         stats = self._sp_stats.as_dict()
         stats["live_trees"] = len(self._sp_trees)  # 0 once every request is gone
