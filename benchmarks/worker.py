@@ -250,8 +250,10 @@ def run(job: dict) -> dict:
         if job.get("kind") == "specplug":
             # the warm-up is for shapes, not for learning: repetitive filler
             # is drafted almost perfectly and would open the budget's gate
-            # for the first suite (engine/budget.BudgetController.reset_learning);
-            # the first suite meets what a user's first requests meet
+            # for the first suite, and in paired runs it shares the CPU with
+            # the other engine's warm-up, so its step times are not this
+            # engine's (engine/budget.BudgetController.reset_learning); the
+            # first suite meets what a user's first requests meet
             llm.collective_rpc("specplug_reset_budget")
         _progress(fd, event="warmed")
         for suite in job["suites"]:

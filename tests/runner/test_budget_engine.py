@@ -42,12 +42,11 @@ def test_pld_with_budget_is_lossless_at_batch_8(ref_model):
         assert greedy(llm, PROMPTS, 32) == ref
         stats = llm.collective_rpc("specplug_stats")[0]
         # a warm-up that must not teach (benchmarks/worker.py): the budget
-        # forgets its acceptance and gate, keeps the step costs, and the
-        # output stays the target's
+        # forgets what it learned, and the output stays the target's
         assert llm.collective_rpc("specplug_reset_budget") == [True]
         cold = llm.collective_rpc("specplug_stats")[0]["budget"]
         assert greedy(llm, PROMPTS[:2], 32) == ref[:2]
     assert stats["budget"]["steps"] > 0
     assert stats["budget"]["step_ms_by_rows"]
     assert cold["gate_proven"] is False and cold["draft_ms"] == 0.0
-    assert cold["step_ms_by_rows"] == stats["budget"]["step_ms_by_rows"]
+    assert cold["step_ms_by_rows"] == {}

@@ -978,8 +978,8 @@ class SpecplugRunnerMixin:
         return "native" if cpu_tree_attention.loaded() else "aten"
 
     def specplug_reset_budget(self) -> bool:
-        """Forget the budget's learned acceptance and gate, keep its step
-        costs (engine/budget.BudgetController.reset_learning). For a
+        """Forget what the budget learned (engine/budget.BudgetController.
+        reset_learning): it starts cold, as at start-up. For a
         warm-up that must not teach: ``llm.collective_rpc(
         "specplug_reset_budget")``. False without a budget."""
         if self._sp_budget is None:
