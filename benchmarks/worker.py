@@ -247,7 +247,7 @@ def run(job: dict) -> dict:
             warm = [TokensPrompt(prompt_token_ids=ids)] * min(2, job["batch_size"])
             llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16,
                                               ignore_eos=True), use_tqdm=False)
-        if job.get("kind") == "specplug":
+        if job["kind"] == "specplug":
             # the warm-up is for shapes, not for learning: repetitive filler
             # is drafted almost perfectly and would open the budget's gate
             # for the first suite, and in paired runs it shares the CPU with

@@ -488,10 +488,18 @@ class BudgetController:
     def __init__(self, acceptance: AcceptanceModel | None = None,
                  cost: StepCost | None = None, max_pending: int = 16,
                  gate: DraftGate | None = None) -> None:
+        self.max_pending = max_pending
+        self._cal_decay = 0.5 ** (1.0 / 200)
+        self.stats = BudgetStats()
+        self._start(acceptance, cost, gate)
+
+    def _start(self, acceptance: AcceptanceModel | None = None,
+               cost: StepCost | None = None, gate: DraftGate | None = None) -> None:
+        """Everything the controller learns, fresh (start-up and
+        ``reset_learning``)."""
         self.acceptance = acceptance or AcceptanceModel()
         self.cost = cost or StepCost()
         self.gate = gate or DraftGate()
-        self.max_pending = max_pending
         self._pending: dict[str, list[tuple[int, DraftTree]]] = {}
         self._expected: dict[str, float] = {}  # the model's, uncalibrated
         # Calibration: the acceptance model's expected accepted tokens of the
@@ -500,12 +508,10 @@ class BudgetController:
         # make its estimate high: seen 0.6 realised per expected at batch 8
         # on summarization); only ever scaled down, so a calibrated
         # controller drafts no more than the model alone would. Half-life
-        # 200 kept trees: a workload's change must show within a few
-        # requests (seen: `reader` kept the calibration of QA, where its
-        # deep branch is accepted, on MT-bench, where it is not).
+        # 200 kept trees (``_cal_decay``): a workload's change must show
+        # within a few requests (seen: `reader` kept the calibration of QA,
+        # where its deep branch is accepted, on MT-bench, where it is not).
         self._cal_expected, self._cal_realised = 0.0, 0.0
-        self._cal_decay = 0.5 ** (1.0 / 200)
-        self.stats = BudgetStats()
 
     # -------------------------------------------------------------- learning
     def learn(self, req_id: str, token_ids, accepted: int | None = None) -> None:
@@ -549,12 +555,7 @@ class BudgetController:
         summarization burst, 0.81x); and in paired runs the two engines'
         warm-ups share the CPU, so the steps it measured were up to five
         times dearer than the suite's."""
-        self.acceptance = AcceptanceModel()
-        self.cost = StepCost()
-        self.gate = DraftGate()
-        self._pending.clear()
-        self._expected.clear()
-        self._cal_expected, self._cal_realised = 0.0, 0.0
+        self._start()
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)

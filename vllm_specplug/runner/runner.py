@@ -923,8 +923,8 @@ class SpecplugRunnerMixin:
             sreq.entropy = _entropy(self.model.compute_logits(hidden_states[last]))
 
     def _sp_fill_topk(self, sreq, state, i, rel, is_decode, hidden_states, rows,
-                      first, n_sched, drafting: bool = True) -> None:
-        """``drafting``: the budget allows side work (its gate is open and
+                      first, n_sched, side_work: bool = True) -> None:
+        """``side_work``: the budget allows side work (its gate is open and
         drafting has paid once). Otherwise the prompt's LM-head pass
         (``Needs.prefill_topk``) is skipped: it only serves drafts, which do
         not pay now (or have not paid yet), and over a long prompt it costs
@@ -947,7 +947,7 @@ class SpecplugRunnerMixin:
                 sreq.node_tokens = self.input_ids.gpu[root : root + n1].clone()
                 sreq.node_topk_ids = ids[torch.as_tensor(where[base : base + n1],
                                                          device=ids.device)]
-        elif needs.prefill_topk and n_sched > 0 and drafting:
+        elif needs.prefill_topk and n_sched > 0 and side_work:
             t0 = time.perf_counter()
             vs, ts = [], []
             for c in range(0, len(rows), 512):  # bounded memory on long prompts
