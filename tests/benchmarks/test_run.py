@@ -130,6 +130,40 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never at once
 
 
+def _stopped(pid: int, want: bool) -> bool:
+    """Whether ``pid`` reaches the wanted stopped state within 2 s (a signal
+    is delivered asynchronously). /proc/<pid>/stat: "pid (comm) STATE ..."."""
+    import time
+
+    for _ in range(200):
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if (state == "T") == want:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_hold_stops_and_resumes_a_paired_workers_whole_group():
+    """``--paired`` stops the waiting engine's process group (the worker and
+    anything it started) while the other is timed, and resumes it after."""
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import subprocess, sys, time; "
+                             "c = subprocess.Popen(['sleep', '30']); "
+                             "print(c.pid, flush=True); time.sleep(30)"],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        child = int(proc.stdout.readline())
+        run._hold(proc, stop=True)
+        assert _stopped(proc.pid, True) and _stopped(child, True)
+        run._hold(proc, stop=False)
+        assert _stopped(proc.pid, False) and _stopped(child, False)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    run._hold(proc, stop=True)  # a worker already gone is not an error
+
+
 def report_has_matplotlib() -> bool:
     import importlib.util
 
