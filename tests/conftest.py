@@ -49,6 +49,18 @@ def shutdown(llm) -> None:
         core.shutdown()
 
 
+def onednn_order_unknown_here() -> bool:
+    """True on a CPU with AVX-512: oneDNN's float32 summation order, which
+    the CPU linear kernel (kernels/cpu_linear.py) must match bit for bit,
+    was established without it (the AVX2 EPYC, sessions 21-22); with it (a
+    Xeon with AMX, session 25) oneDNN takes other kernels, the reference
+    model's shapes are refused and vLLM's own path runs (safe:
+    test_routed_layers_keep_onednn_bits)."""
+    from benchmarks.machine import cpu_info
+
+    return "avx512f" in cpu_info()[1]
+
+
 def run_isolated(func, *args):
     """``func(*args)`` in a fresh spawned process. vLLM 0.32's built-in
     ``ngram`` cannot start after another engine in the same process."""

@@ -11,6 +11,7 @@ import gc
 import pytest
 import torch
 
+from tests.conftest import onednn_order_unknown_here
 from vllm_specplug.kernels import cpu_linear
 
 # the reference model's linear shapes (K, N): qkv, o, gate_up, down, LM head
@@ -84,18 +85,11 @@ def test_routed_layers_keep_onednn_bits(k, n):
 
 
 def _onednn_order_known() -> None:
-    """oneDNN's float32 summation order was established on x86 without
-    AVX-512 (the AVX2 EPYC, sessions 21-22). With AVX-512 (a Xeon with AMX,
-    session 25) oneDNN takes other kernels whose order is none the kernel
-    knows: the shapes are refused there and the kernel is unused, which
-    test_routed_layers_keep_onednn_bits checks is safe."""
     import platform
-
-    from benchmarks.machine import cpu_info
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("oneDNN's order is only known for x86")
-    if "avx512f" in cpu_info()[1]:
+    if onednn_order_unknown_here():
         pytest.skip("oneDNN's order with AVX-512 is not the kernel's (shapes refused)")
 
 
