@@ -2,6 +2,7 @@
 
 import torch
 
+from tests.conftest import onednn_order_unknown_here
 from vllm_specplug.runner.cpu_gemm import prepare_cpu_linears
 
 
@@ -22,7 +23,7 @@ def test_routed_linears_compute_what_torch_computes():
     assert net[2].weight.shape == (12288, 1536)
 
 
-def test_only_a_specplug_load_routes_to_the_linear_kernel():
+def test_only_a_specplug_load_routes_to_the_linear_kernel(monkeypatch):
     """Inside ``cpu_linear_routing`` (the specplug runner's model loading)
     vLLM's dispatch hands float32 layers to the small-row kernel; after it,
     a plain engine's layers in the same process stay vLLM's (its compile
@@ -31,6 +32,12 @@ def test_only_a_specplug_load_routes_to_the_linear_kernel():
 
     from vllm_specplug.kernels import cpu_linear
     from vllm_specplug.runner.cpu_gemm import cpu_linear_routing
+
+    if onednn_order_unknown_here():
+        # The order check refuses every shape here (oneDNN's order with
+        # AVX-512 is unknown; tests/kernels covers that refusal). This test
+        # is about *where* routing happens, so the check is told to pass.
+        monkeypatch.setattr(cpu_linear, "sum_block", lambda *args: 0)
 
     def prepared(k=576, n=960):
         layer = torch.nn.Linear(k, n, bias=False)
