@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.sources.adjacency import AdjacencyTable
+from vllm_specplug.sources.adjacency_drafter import AdjacencyDrafter
 from vllm_specplug.engine.interface import Needs, ProposerContext, StepRequest
 from vllm_specplug.methods.recycle import RecycleConfig, RecycleProposer
 from tests.methods.budget import propose
@@ -162,6 +163,17 @@ def test_prefill_rows_given_twice_are_learned_once():
     propose(p, [req])
     assert p.table.table[5, 0].item() == 9 and p.table.num_filled() == len(seq)
     assert p.drafter.rows(req)[0][0].tolist() == seq and len(p.drafter.rows(req)[0]) == 1
+
+
+def test_prompt_rows_with_an_offset_pair_with_their_tokens():
+    # a prompt chunk whose top-k covers only its last rows (topk_offset)
+    seq = PERIOD * 3
+    topk = _oracle_topk(seq)[-4:]
+    req = StepRequest("a", np.array(seq), len(seq), False, 0, topk_ids=topk,
+                      topk_offset=len(seq) - 4)
+    toks, rows = AdjacencyDrafter.rows(req)
+    assert torch.cat(toks).tolist() == seq[-4:]
+    assert torch.equal(torch.cat(rows), topk)
 
 
 def test_budget_max_model_len_and_chain_only():

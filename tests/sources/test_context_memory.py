@@ -75,6 +75,17 @@ def test_prefill_then_decode_rows():
     assert np.array_equal(mem.continuation(35, 10), [36, 37, 38, 39])
 
 
+def test_prompt_topk_of_the_last_rows_only_lands_where_it_belongs():
+    # the runner's prompt chunk: hidden rows for all of it, top-k only for
+    # its last 3 rows (Needs.prefill_topk_rows), placed by topk_offset
+    mem = ContextMemory(H, K, max_positions=1024)
+    pos = np.arange(10)
+    mem.update(np.arange(11), 0, rows_for(pos), *topk_for(pos[7:]), topk_offset=7)
+    assert mem.has_hidden[:10].all()
+    assert np.array_equal(np.flatnonzero(mem.has_topk[: mem.n]), [7, 8, 9])
+    check_consistent(mem)
+
+
 def test_growable_capacity_doubles_up_to_cap():
     mem = ContextMemory(H, K, max_positions=100, head_positions=0, initial_capacity=4)
     caps = set()

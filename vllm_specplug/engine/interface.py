@@ -38,11 +38,18 @@ class Needs:
     """Top-k next-token ids/probabilities (raw logits, before sampling
     processing) at verified decode positions."""
     prefill_topk: bool = False
-    """Also compute top-k at every prompt position (costs an LM-head pass over
-    the prompt; the adjacency table learns from it). Skipped while the
-    cost-aware budget's gate is closed (drafting does not pay then, so
-    neither does learning for it): the chunk then has only its last row's
-    top-k, as without this flag."""
+    """Also compute top-k at the last ``prefill_topk_rows`` positions of
+    every prompt chunk (costs an LM-head pass over them; the adjacency table
+    learns from it). Skipped while the cost-aware budget's gate is closed
+    (drafting does not pay then, so neither does learning for it): the
+    chunk then has only its last row's top-k, as without this flag."""
+    prefill_topk_rows: int = 64
+    """With ``prefill_topk``: most prompt rows per chunk that get a top-k.
+    Bounded because the pass is paid before the budget can judge the new
+    prompts: over whole prompts it cost `recycle` 16 % of a batch-8 RAG
+    suite's time (8 prompts of ~1,500 tokens, ~0.2 ms a row on a 2-core
+    CPU) when the previous suite had left the gate open, and the prompt's
+    last rows are the ones nearest what is generated next."""
     tree_topk: bool = False
     """Top-k at every verified tree node, accepted or rejected."""
     aux_layers: tuple[int, ...] = ()
@@ -92,7 +99,14 @@ class StepRequest:
     """``[n_rows, len(aux_layers) * hidden]``: the layers of
     ``Needs.aux_layers`` at the same rows as ``hidden``, concatenated."""
     topk_ids: torch.Tensor | None = None
+    """``[n, k]`` the target's top-k next tokens: row ``r`` follows
+    ``token_ids[verified_pos + topk_offset + r]`` (every verified row at a
+    decode step; a prompt chunk's last ``Needs.prefill_topk_rows`` rows, or
+    only its last row)."""
     topk_probs: torch.Tensor | None = None
+    topk_offset: int = 0
+    """Where ``topk_ids``' rows start, relative to ``verified_pos``: 0 at a
+    decode step; a prompt chunk's rows are its last ones."""
     entropy: torch.Tensor | None = None
     """``[m]`` float32 (``Needs.entropy``): the target's entropy at the
     *last* ``m`` of this step's rows, i.e. of the distributions after reading

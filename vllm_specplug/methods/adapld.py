@@ -320,7 +320,7 @@ class AdaPLDProposer(Proposer):
         for req in batch:
             mem = self.memories.get(req.req_id)
             mem.update(req.token_ids, req.verified_pos, req.layer_hidden,
-                       req.topk_ids, req.topk_probs)
+                       req.topk_ids, req.topk_probs, req.topk_offset)
             self._feedback(req)
             # budget 0: the cost-aware gate (or the context's end) asks for
             # no draft; the memory above is still kept up to date

@@ -949,15 +949,12 @@ class SpecplugRunnerMixin:
                                                          device=ids.device)]
         elif needs.prefill_topk and n_sched > 0 and side_work:
             t0 = time.perf_counter()
-            vs, ts = [], []
-            for c in range(0, len(rows), 512):  # bounded memory on long prompts
-                v, t = _topk_probs(self.model.compute_logits(hidden_states[rows[c:c + 512]]),
-                                   ids.shape[-1])
-                vs.append(v)
-                ts.append(t)
-            v, t = (vs[0], ts[0]) if len(vs) == 1 else (torch.cat(vs), torch.cat(ts))
-            sreq.topk_ids, sreq.topk_probs = t, v
-            sreq.node_tokens = self.input_ids.gpu[first : first + n_sched].clone()
+            # the chunk's last rows only (Needs.prefill_topk_rows)
+            skip = max(0, len(rows) - needs.prefill_topk_rows)
+            v, t = _topk_probs(self.model.compute_logits(hidden_states[rows[skip:]]),
+                               ids.shape[-1])
+            sreq.topk_ids, sreq.topk_probs, sreq.topk_offset = t, v, skip
+            sreq.node_tokens = self.input_ids.gpu[first + skip : first + n_sched].clone()
             sreq.node_topk_ids = t
             # drafting-only work outside the proposer: the budget's gate
             # weighs it with the drafting cost (engine/budget.DraftGate)
@@ -966,6 +963,7 @@ class SpecplugRunnerMixin:
             # Only the prompt's last position has logits without prefill_topk.
             row = torch.as_tensor([where[base]], device=ids.device)
             sreq.topk_ids, sreq.topk_probs = ids[row], vals[row]
+            sreq.topk_offset = n_sched - 1  # it follows the chunk's last token
 
     # --------------------------------------------------------------- stats
     def _sp_tree_attention_path(self) -> str:

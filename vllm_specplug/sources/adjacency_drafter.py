@@ -60,10 +60,11 @@ class AdjacencyDrafter:
         # At prefill the runner hands the prompt rows both ways: learn them once.
         same = req.topk_ids is req.node_topk_ids
         if req.topk_ids is not None and req.topk_ids.shape[0] and not same:
-            # Row r follows token_ids[verified_pos + r]. These go last so the
-            # accepted path -- the real context -- wins over a rejected
-            # branch that happens to contain the same token.
-            ids = req.token_ids[req.verified_pos : req.verified_pos + req.topk_ids.shape[0]]
+            # Row r follows token_ids[verified_pos + topk_offset + r]. These
+            # go last so the accepted path -- the real context -- wins over
+            # a rejected branch that happens to contain the same token.
+            at = req.verified_pos + req.topk_offset
+            ids = req.token_ids[at : at + req.topk_ids.shape[0]]
             n = len(ids)
             toks.append(torch.as_tensor(ids, dtype=torch.long).to(req.topk_ids.device))
             topk.append(req.topk_ids[:n].long())

@@ -164,11 +164,14 @@ class ContextMemory:
         layer_hidden: torch.Tensor | np.ndarray | None = None,
         topk_ids: torch.Tensor | np.ndarray | None = None,
         topk_probs: torch.Tensor | np.ndarray | None = None,
+        topk_offset: int = 0,
     ) -> None:
         """Sync with a ``StepRequest``: append new tokens of ``token_ids`` and
-        store per-position rows. Row ``r`` of each tensor belongs to absolute
-        position ``verified_pos + r`` (each tensor by its own row count).
-        A history shorter than what was seen resets the memory."""
+        store per-position rows. Row ``r`` of ``layer_hidden`` belongs to
+        absolute position ``verified_pos + r``, of the top-k to
+        ``verified_pos + topk_offset + r`` (a prompt chunk's top-k covers
+        only its last rows). A history shorter than what was seen resets
+        the memory."""
         length = int(len(token_ids))
         if length < self.total:
             self.reset()
@@ -178,7 +181,7 @@ class ContextMemory:
         if layer_hidden is not None and len(layer_hidden):
             self._write_hidden(verified_pos, layer_hidden)
         if topk_ids is not None and len(topk_ids):
-            self._write_topk(verified_pos, topk_ids, topk_probs)
+            self._write_topk(verified_pos + topk_offset, topk_ids, topk_probs)
 
     def _put(self, toks: np.ndarray) -> None:
         m = len(toks)
