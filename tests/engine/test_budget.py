@@ -489,3 +489,62 @@ def test_reset_learning_makes_the_controller_cold():
     assert not ctl.cost.known
     _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
     assert choice.sizes == [1]
+
+
+def _linear_cost(base_ms: float, per_row_ms: float, upto: int = 40) -> StepCost:
+    cost = StepCost()
+    for rows in range(1, upto):  # T(R) = base + per_row * (R - 1)
+        cost.observe(rows, (base_ms + per_row_ms * (rows - 1)) / 1e3)
+    return cost
+
+
+def test_closed_batch_token_values():
+    # T(R) = 50 + 5 (R - 1) ms: at 2 rows 55 ms, a row's marginal cost 5 ms,
+    # the step's fixed part 45 ms; a request's share of the step 27.5 ms
+    ctl = BudgetController(cost=_linear_cost(50, 5))
+    # only the request with the most tokens left shortens the batch
+    np.testing.assert_allclose(ctl.token_values(2, [100, 50]), [50 / 27.5, 5 / 27.5])
+    # evenly placed: every request's token is worth its share (the old objective)
+    np.testing.assert_allclose(ctl.token_values(2, [64, 64]), [1.0, 1.0])
+    np.testing.assert_allclose(ctl.token_values(1, [7]), [1.0])  # batch 1: a whole step
+    assert ctl.token_values(2, None) is None  # an open workload
+    # requests that stop at end of sequence: half the weight is the old one
+    np.testing.assert_allclose(ctl.token_values(2, [100, 50], length_bound=0.5),
+                               [0.5 * 50 / 27.5 + 0.5, 0.5 * 5 / 27.5 + 0.5])
+    assert ctl.token_values(2, [100, 50], length_bound=0.0) is None
+    assert BudgetController().token_values(2, [1, 2]) is None  # no step timed yet
+
+
+def test_closed_batch_drafts_where_it_shortens_the_batch():
+    model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
+    model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, 0.5e6  # every node 0.5
+    ctl = BudgetController(model, _linear_cost(50, 5))
+    trees = [DraftTree([5], [-1]), DraftTree([6], [-1])]
+    # open workload: a 0.5-likely node is worth 0.5 * 27.5 ms against 5 ms a row
+    _, open_ = ctl.choose(["a", "b"], trees, [10, 10], rows=2)
+    assert open_.sizes == [1, 1]
+    # closed batch, "b" has fewer tokens left: its token saves only a row
+    # (5 ms, at 0.5: 2.5 ms) for a row's 5 ms; "a"'s shortens the batch
+    _, closed = ctl.choose(["a", "b"], trees, [10, 10], rows=2, remaining=[100, 50])
+    assert closed.sizes == [1, 0]
+
+
+def test_sources_are_estimated_apart_and_shrunk_toward_the_pool():
+    model = AcceptanceModel(max_depth=2, max_rank=1, prior_weight=1e-9, request_weight=1e-9)
+    # a sure source and an unsure one, at depth 1, from two requests
+    for i in range(200):
+        model.observe("a", [(1, 0, True, "match4")])
+        model.observe("b", [(1, 0, i % 10 == 0, "match1")])
+    sure, guess = DraftTree([5], [-1], sources=["match4"]), DraftTree([5], [-1], sources=["match1"])
+    assert model.node_probs(sure)[0] > 0.95 and model.node_probs(guess)[0] < 0.15
+    # without a source a node reads the pooled estimate (~0.55)
+    assert 0.5 < model.node_probs(DraftTree([5], [-1]))[0] < 0.6
+    # a source seen once reads about the pool (source_weight 8 observations)
+    model.observe("c", [(1, 0, True, "match2")])
+    new = DraftTree([5], [-1], sources=["match2"])
+    assert 0.55 < model.node_probs(new)[0] < 0.65
+    # shadow evaluation hands the sources along
+    outcomes, done = shadow_outcomes(DraftTree([7, 8], [-1, 0], sources=["m", "m"]), [7, 9])
+    assert done and outcomes == [(1, 0, True, "m"), (2, 0, False, "m")]
+    model.forget("a")
+    assert "a" not in model.request_sources and "a" not in model.requests

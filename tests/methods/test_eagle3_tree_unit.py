@@ -77,14 +77,14 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     held = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
     every = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
 
-    def step(prop, pos, n, budget, sampled=True):
+    def step(prop, pos, n, budget, sampled=True, drafting=True):
         r = StepRequest(req_id="a", token_ids=toks[:pos + n + 1], num_prompt_tokens=40,
                         sampled=sampled, verified_pos=pos, aux_hidden=aux[pos:pos + n],
-                        budget=budget)
+                        budget=budget, drafting=drafting)
         return prop.propose([r])[0]
 
     for prop, budgets in ((held, [0, 0, 0, 8]), (every, [8, 8, 8, 8])):
-        step(prop, 0, 40, 0, sampled=False)  # the prompt: always fed
+        step(prop, 0, 40, 0, sampled=False)  # the prompt, gate open: fed
         for k, b in enumerate(budgets):
             tree = step(prop, 40 + k, 1, b)
         if prop is held:
@@ -113,6 +113,17 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     assert prop.runtime.states["a"].n == 40  # two rows held
     assert step(prop, 42, 1, 0) is None  # a third: all three fed, still no draft
     assert prop.runtime.states["a"].n == 43 and "a" not in prop._deferred
+    # a prompt chunk while the gate is closed is held too, and fed with the
+    # first draft: the same head state as a prompt fed at once
+    gated = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
+    step(gated, 0, 20, 0, sampled=False, drafting=False)
+    step(gated, 20, 20, 0, sampled=False, drafting=False)
+    assert "a" not in gated.runtime.states or gated.runtime.states["a"].n == 0
+    for k, budget in enumerate([0, 0, 0, 8]):
+        step(gated, 40 + k, 1, budget)
+    c, want = gated.runtime.states["a"], every.runtime.states["a"]
+    assert c.n == 44 and torch.allclose(c.k[:44], want.k[:44], atol=1e-5)
+    assert torch.allclose(c.v[:44], want.v[:44], atol=1e-5)
 
 
 def test_head_stops_deepening_where_a_level_is_worth_less_than_its_pass(ref_model):

@@ -26,6 +26,26 @@ Where the trees the controller kept realise fewer tokens than it expected
 (the cut selects the nodes whose estimates are high, luck included), every
 estimate is scaled by realised/expected (never up).
 
+What an accepted token is worth depends on whether anything waits for the
+batch's slots. With requests waiting (an open workload) a request that
+finishes early lets the next one in, so every accepted token is worth a
+decoding request's share of a step, ``T(rows) / rows``: the objective above.
+With nothing waiting (a closed batch, or a server draining), the batch's
+steps run until its *longest* request is done: an accepted token of a
+request with fewer tokens left than the longest only takes that request's
+row out of a later step (the step's marginal row cost), and only the
+requests with the most tokens left (``max_tokens``) also shorten the batch
+(the step's fixed cost, shared among them). Seen at batch 8 on
+summarization: `pld` at tau 1.25 saved 12 of 128 steps, not the 26 the
+objective counted, and ran at 0.93x plain decoding. So each request's
+accepted tokens are weighted by ``(marginal + fixed * longest / n_longest)
+/ (T(rows) / rows)`` (1 at batch 1, and for every request of a batch whose
+tokens are accepted evenly) unless the runner saw a request replaced by a
+waiting one recently. Requests that stop at an end-of-sequence token
+before ``max_tokens`` make the tokens left a poor guide to which request
+finishes last, so the weight is blended with 1 by the share of recent
+requests that ran to their ``max_tokens``.
+
 Step time: knots over the number of verified rows, each an exponential
 moving average of the decode steps measured there. Where no step has been
 measured yet the curve is extrapolated: above the largest measured point
@@ -184,27 +204,49 @@ class _Rates:
 
 
 class AcceptanceModel:
-    """``P(node accepted | parent accepted)`` by depth and sibling rank."""
+    """``P(node accepted | parent accepted)`` by depth and sibling rank, and
+    by the node's source where the tree names one (``DraftTree.sources``).
+
+    A source is the method's own word for how sure a node is: `pld` names
+    its chain by the length of the context match it copies (a 4-token match
+    is accepted far more often than a 1-token one), `graft`/`respec` their
+    retrieved nodes. Without sources every node of a depth and rank shares
+    one estimate, so the cut could not tell a sure copy from a guess (seen
+    at batch 1: `pld` drafted 4.4 nodes per draft for the tokens vLLM's
+    ``suffix`` got with 2.0, 1.30x against 1.41x plain decoding). A source's
+    estimates are shrunk toward the engine's pooled ones while it has little
+    evidence (``source_weight`` observations), a request's toward its
+    source's (``request_weight``)."""
 
     def __init__(self, max_depth: int = 8, max_rank: int = 4, prior: float = 0.3,
                  prior_weight: float = 2.0, request_weight: float = 8.0,
-                 half_life: float = 2000.0) -> None:
+                 half_life: float = 2000.0, source_weight: float = 8.0) -> None:
         self.max_depth, self.max_rank = max_depth, max_rank
         self.prior, self.prior_weight = prior, prior_weight
         self.request_weight = request_weight
+        self.source_weight = source_weight
         # forget old evidence slowly: the workload changes over a server's life
         self._decay = 0.5 ** (1.0 / half_life)
         self.engine = _Rates.empty(max_depth, max_rank)
         self.requests: dict[str, _Rates] = {}
+        self.sources: dict[str, _Rates] = {}
+        self.request_sources: dict[str, dict[str, _Rates]] = {}
 
     def _bucket(self, depth: int, rank: int) -> tuple[int, int]:
         return min(depth, self.max_depth) - 1, min(rank, self.max_rank - 1)
 
-    def rates(self, req_id: str | None) -> np.ndarray:
-        """``[max_depth, max_rank]`` conditional acceptance estimates."""
+    def rates(self, req_id: str | None, source: str | None = None) -> np.ndarray:
+        """``[max_depth, max_rank]`` conditional acceptance estimates (of the
+        nodes of ``source``, if given)."""
         e = self.engine
         base = (e.acc + self.prior * self.prior_weight) / (e.seen + self.prior_weight)
-        r = self.requests.get(req_id) if req_id is not None else None
+        if source is None:
+            r = self.requests.get(req_id) if req_id is not None else None
+        else:
+            s = self.sources.get(source)
+            if s is not None:
+                base = (s.acc + base * self.source_weight) / (s.seen + self.source_weight)
+            r = self.request_sources.get(req_id, {}).get(source) if req_id is not None else None
         if r is None:
             return base
         return (r.acc + base * self.request_weight) / (r.seen + self.request_weight)
@@ -212,29 +254,45 @@ class AcceptanceModel:
     def node_probs(self, tree: DraftTree, req_id: str | None = None) -> np.ndarray:
         """Unconditional acceptance probability of every node (product of the
         conditional estimates along its path); never above its parent's."""
-        rates = self.rates(req_id)
+        by_source: dict[str | None, np.ndarray] = {}
         ranks = sibling_ranks(tree)
         out = np.empty(len(tree))
         for i, p in enumerate(tree.parents):
+            src = tree.sources[i] if tree.sources is not None else None
+            rates = by_source.get(src)
+            if rates is None:
+                rates = by_source[src] = self.rates(req_id, src)
             depth = 1 if p < 0 else _depth_of(tree, i)
             d, r = self._bucket(depth, ranks[i])
             out[i] = rates[d, r] * (1.0 if p < 0 else out[p])
         return out
 
-    def observe(self, req_id: str, outcomes: list[tuple[int, int, bool]]) -> None:
-        """``(depth, rank, accepted)`` of nodes whose parent was accepted."""
+    def observe(self, req_id: str, outcomes: list[tuple]) -> None:
+        """``(depth, rank, accepted)`` or ``(depth, rank, accepted, source)``
+        of nodes whose parent was accepted."""
         if not outcomes:
             return
-        self.engine.decay(self._decay ** len(outcomes))
+        factor = self._decay ** len(outcomes)
+        self.engine.decay(factor)
+        for rates in self.sources.values():
+            rates.decay(factor)
         req = self.requests.setdefault(req_id, _Rates.empty(self.max_depth, self.max_rank))
-        for depth, rank, ok in outcomes:
+        for depth, rank, ok, *rest in outcomes:
             d, r = self._bucket(depth, rank)
-            for rates in (self.engine, req):
+            tables = [self.engine, req]
+            src = rest[0] if rest else None
+            if src is not None:
+                empty = _Rates.empty(self.max_depth, self.max_rank)
+                tables.append(self.sources.setdefault(src, empty))
+                tables.append(self.request_sources.setdefault(req_id, {})
+                              .setdefault(src, _Rates.empty(self.max_depth, self.max_rank)))
+            for rates in tables:
                 rates.seen[d, r] += 1
                 rates.acc[d, r] += ok
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
+        self.request_sources.pop(req_id, None)
 
 
 def _depth_of(tree: DraftTree, i: int) -> int:
@@ -258,14 +316,16 @@ def sibling_ranks(tree: DraftTree) -> list[int]:
     return ranks
 
 
-def shadow_outcomes(tree: DraftTree, truth) -> tuple[list[tuple[int, int, bool]], bool]:
+def shadow_outcomes(tree: DraftTree, truth) -> tuple[list[tuple], bool]:
     """Walk ``tree`` along ``truth`` (the tokens the target produced after
     the tree's root, as far as known). Returns the ``(depth, rank, accepted)``
-    of every node whose parent was accepted and whose own outcome is known,
-    and whether the walk is complete (nothing more can be learned later)."""
+    (plus the node's source where the tree names them) of every node whose
+    parent was accepted and whose own outcome is known, and whether the walk
+    is complete (nothing more can be learned later)."""
     children = tree.children()
     ranks = sibling_ranks(tree)
-    out: list[tuple[int, int, bool]] = []
+    sources = tree.sources
+    out: list[tuple] = []
     cur, depth = -1, 0
     while children[cur + 1]:
         if depth >= len(truth):
@@ -273,7 +333,8 @@ def shadow_outcomes(tree: DraftTree, truth) -> tuple[list[tuple[int, int, bool]]
         nxt = None
         for c in children[cur + 1]:
             ok = tree.tokens[c] == int(truth[depth])
-            out.append((depth + 1, ranks[c], ok))
+            out.append((depth + 1, ranks[c], ok) if sources is None
+                       else (depth + 1, ranks[c], ok, sources[c]))
             if ok:
                 nxt = c
         if nxt is None:
@@ -325,6 +386,9 @@ class BudgetStats:
     explore_steps: int = 0
     """Steps a closed gate let one request draft, to see whether drafting
     pays again."""
+    closed_steps: int = 0
+    """Steps that weighed accepted tokens as a closed batch's (nothing
+    waiting for a slot; see ``BudgetController.token_values``)."""
     size_hist: dict[int, int] = field(default_factory=dict)
 
 
@@ -596,14 +660,44 @@ class BudgetController:
             self.stats.explore_steps += 1
 
     # -------------------------------------------------------------- choosing
+    def token_values(self, rows: int, remaining: list[int] | None,
+                     length_bound: float = 1.0) -> np.ndarray | None:
+        """Per request, what one of its accepted tokens is worth relative to
+        a decoding request's share of a step (see the module docstring);
+        None when every token is worth a share (``remaining`` None: an open
+        workload, or the step cost not known yet). ``length_bound``: the
+        share of recent requests that ran to their ``max_tokens``; the
+        rest stopped earlier (end of sequence), where the tokens left say
+        nothing of which request finishes last, so the closed-batch value
+        is blended with 1 by it."""
+        if (remaining is None or not remaining or rows <= 0 or not self.cost.known
+                or not length_bound > 0):
+            return None
+        left = np.asarray(remaining, dtype=np.float64)
+        step = self.cost(rows)
+        if not step > 0:
+            return None
+        marginal = min(max(0.0, self.cost(rows + 1) - step), step / rows)
+        fixed = step - rows * marginal
+        longest = left >= left.max()
+        value = (marginal + fixed * longest / longest.sum()) / (step / rows)
+        return length_bound * value + (1.0 - length_bound)
+
     def choose(self, req_ids: list[str], trees: list[DraftTree | None],
-               token_lens: list[int], rows: int) -> tuple[list[DraftTree | None], Choice]:
+               token_lens: list[int], rows: int,
+               remaining: list[int] | None = None,
+               length_bound: float = 1.0) -> tuple[list[DraftTree | None], Choice]:
         """Cut ``trees`` (one per request, None = no draft). ``token_lens``:
         each request's history length (where its tree's root sits);
         ``rows``: rows the next step verifies without any draft (one per
-        decoding request)."""
-        cand: list[tuple[float, int, int, int]] = []  # (-p, depth, request, node)
+        decoding request); ``remaining``: tokens each request may still
+        generate, in a closed batch (None: an open workload, every accepted
+        token worth a request's share of a step); ``length_bound`` as in
+        ``token_values``."""
+        cand: list[tuple[float, int, int, int]] = []  # (-w * p, depth, request, node)
         probs: list[np.ndarray | None] = []
+        values = self.token_values(rows, remaining, length_bound)
+        self.stats.closed_steps += values is not None
         for j, (rid, tree) in enumerate(zip(req_ids, trees)):
             if tree is None or not len(tree):
                 probs.append(None)
@@ -612,7 +706,10 @@ class BudgetController:
             p = self.acceptance.node_probs(tree, rid)
             probs.append(p)
             depths = tree.depths()
-            cand.extend((-float(p[i]), int(depths[i]), j, i) for i in range(len(tree)))
+            w = 1.0 if values is None else float(values[j])
+            cand.extend((-w * float(p[i]), int(depths[i]), j, i) for i in range(len(tree)))
+        # a child is never more likely than its parent and shares its
+        # request's weight, so any prefix of this order is closed under parents
         cand.sort()
         cal = self.calibration
         keep = [np.zeros(len(t), dtype=bool) if t is not None else None for t in trees]
@@ -681,4 +778,9 @@ class BudgetController:
         d["gate_proven"] = self.gate.proven  # drafting has paid at least once
         d["calibration"] = round(self.calibration, 3)
         d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
+        # per source: the first level's best-ranked estimate and its evidence
+        d["acceptance_by_source"] = {
+            src: [round(float(self.acceptance.rates(None, src)[0, 0]), 3),
+                  round(float(rates.seen.sum()), 1)]
+            for src, rates in sorted(self.acceptance.sources.items())}
         return d

@@ -132,6 +132,11 @@ class StepRequest:
     cost-aware budget's step-cost curve); 0 when unknown (budget off, or no
     step measured yet). A drafter whose cost grows with its depth (a head's
     passes) stops deepening where a level is worth less than it costs."""
+    drafting: bool = True
+    """The cost-aware budget's gate lets this request draft this step
+    (False: drafting does not pay now). A prompt chunk never drafts, but a
+    method may hold work that only serves drafts (a head's pass over the
+    prompt) while this is False (``eagle3_tree``)."""
     budget: int = 0
     """Most draft nodes the next step can verify for this request, computed
     once by the runner (``draft_budget``): ``num_speculative_tokens``, cut

@@ -13,7 +13,7 @@ from pydantic import Field
 from vllm_specplug.config import MethodConfig, option_error
 from vllm_specplug.engine.interface import Proposer, ProposerStats, StepRequest
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder
-from vllm_specplug.sources.ngram import continuations
+from vllm_specplug.sources.ngram import match
 
 
 class PLDConfig(MethodConfig):
@@ -51,23 +51,28 @@ class PLDProposer(Proposer):
                 out.append(None)
                 continue
             branches = 1 if req.chain_only else cfg.tree_branches
-            conts = continuations(
-                req.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
-                room, branches,
-            )
+            n, begins = match(req.token_ids, cfg.prompt_lookup_min,
+                              cfg.prompt_lookup_max, branches)
+            conts = [req.token_ids[b : b + room] for b in begins]
             if not conts:
                 out.append(None)
                 continue
+            # the match's length names the nodes' source: the cost-aware
+            # budget learns each length's acceptance on its own
+            # (engine/budget.AcceptanceModel)
+            source = f"match{n}"
             if len(conts) == 1:
-                out.append(DraftTree.chain(conts[0].tolist()))
+                chain = conts[0].tolist()
+                out.append(DraftTree(chain, list(range(-1, len(chain) - 1)),
+                                     sources=[source] * len(chain)))
                 continue
             # Reserve room for the side branches so the first one can't eat
             # the whole budget.
             side = sum(min(cfg.branch_len, len(c)) for c in conts[1:])
             trie = TrieBuilder(room)
-            trie.insert(conts[0][: max(1, room - side)])
+            trie.insert(conts[0][: max(1, room - side)], source=source)
             for c in conts[1:]:
-                trie.insert(c[: cfg.branch_len])
+                trie.insert(c[: cfg.branch_len], source=source)
             out.append(trie.build())
         return out
 

@@ -187,6 +187,18 @@ class StepState:
     logits row -> row-in-entropies map (-1 where not computed)."""
 
 
+REFILL_STEPS = 2
+"""A new request scheduled within this many steps of a finished one, while
+others run, took its place: requests were waiting for a slot."""
+OPEN_WORKLOAD_STEPS = 256
+"""Steps after such a refill during which the workload counts as open
+(engine/budget.BudgetController.token_values)."""
+LENGTH_BOUND_ALPHA = 0.25
+"""EMA weight of each finished request in the share that ran to their
+``max_tokens`` (starts at 1: a closed batch's tokens left are trusted
+until requests show they stop earlier)."""
+
+
 class SpecplugDrafter:
     """What vLLM's ``custom_class`` path instantiates.
 
@@ -281,6 +293,15 @@ class SpecplugRunnerMixin:
         self._sp_step_t0: float | None = None
         self._sp_explore_turn = 0
         self._sp_side_seconds = 0.0  # this step's prompt LM-head pass (see _sp_fill_topk)
+        # Steps seen, the last one that finished a request, the last one
+        # where a new request took a finished one's place while others ran
+        # (requests were waiting: an open workload; see _sp_remaining).
+        self._sp_step_no = 0
+        self._sp_last_finish = -(1 << 30)
+        self._sp_last_refill = -(1 << 30)
+        # Share of recently finished requests that ran to max_tokens (EMA;
+        # engine/budget.BudgetController.token_values)
+        self._sp_length_bound = 1.0
 
     def load_model(self, *args, **kwargs) -> None:
         # the target's (and a drafter's) linear layers on the small-row CPU
@@ -440,6 +461,12 @@ class SpecplugRunnerMixin:
         preempted = set(scheduler_output.preempted_req_ids or ())
         self._sp_stats.preempted += len(preempted)
         gone = set(scheduler_output.finished_req_ids) | preempted
+        for rid in scheduler_output.finished_req_ids:
+            req = self.requests.get(rid)
+            max_tokens = getattr(getattr(req, "sampling_params", None), "max_tokens", None)
+            if max_tokens:
+                ran_out = len(req.output_token_ids) >= max_tokens - 1
+                self._sp_length_bound += LENGTH_BOUND_ALPHA * (ran_out - self._sp_length_bound)
         for rid in gone:
             self._sp_trees.pop(rid, None)
             if self._sp_budget is not None:
@@ -447,6 +474,13 @@ class SpecplugRunnerMixin:
             if prop is not None:
                 prop.remove_request(rid)
         out = super()._update_states(scheduler_output)
+        self._sp_step_no += 1
+        if scheduler_output.finished_req_ids:
+            self._sp_last_finish = self._sp_step_no
+        new_reqs = scheduler_output.scheduled_new_reqs
+        if (new_reqs and self._sp_step_no - self._sp_last_finish <= REFILL_STEPS
+                and len(self.input_batch.req_ids) > len(new_reqs)):
+            self._sp_last_refill = self._sp_step_no
         if prop is not None:
             for new in scheduler_output.scheduled_new_reqs:
                 prop.add_request(new.req_id)
@@ -781,6 +815,7 @@ class SpecplugRunnerMixin:
                 chain_only=_chain_only(sp),
                 draft_kept=_num_real(scheduled.get(rid, ())),
                 token_seconds=token_s,
+                drafting=drafting and explore in (-1, i),
                 budget=draft_budget(
                     self.speculative_config.num_speculative_tokens,
                     scheduler_output.num_spec_tokens_to_schedule,
@@ -903,8 +938,29 @@ class SpecplugRunnerMixin:
             ctl.learn(sreq.req_id, sreq.token_ids, accepted)
         cut, _ = ctl.choose([s.req_id for s in batch], trees,
                             [len(s.token_ids) for s in batch],
-                            rows=sum(1 for s in batch if s.sampled))
+                            rows=sum(1 for s in batch if s.sampled),
+                            remaining=self._sp_remaining(batch),
+                            length_bound=self._sp_length_bound)
         return cut
+
+    def _sp_remaining(self, batch) -> list[int] | None:
+        """Tokens each request of the step may still generate (``max_tokens``,
+        ``max_model_len``), for the budget's closed-batch token values; None
+        while the workload looks open (a request took a finished one's place
+        within the last ``OPEN_WORKLOAD_STEPS`` steps), where every accepted
+        token is worth a request's share of a step (engine/budget.py)."""
+        if self._sp_step_no - self._sp_last_refill <= OPEN_WORKLOAD_STEPS:
+            return None
+        out = []
+        for s in batch:
+            req = self.requests.get(s.req_id)
+            made = len(s.token_ids) - s.num_prompt_tokens
+            left = self.max_model_len - len(s.token_ids)
+            max_tokens = getattr(getattr(req, "sampling_params", None), "max_tokens", None)
+            if max_tokens is not None:
+                left = min(left, max_tokens - made)
+            out.append(max(0, left))
+        return out
 
     def _sp_fill_entropy(self, sreq, state, i, rel, is_decode, hidden_states,
                          rows) -> None:
