@@ -189,7 +189,8 @@ class StepState:
 
 REFILL_STEPS = 2
 """A new request scheduled within this many steps of a finished one, while
-others run, took its place: requests were waiting for a slot."""
+requests that ran beside the finished one still run, took its place:
+requests were waiting for a slot."""
 OPEN_WORKLOAD_STEPS = 256
 """Steps after such a refill during which the workload counts as open
 (engine/budget.BudgetController.token_values)."""
@@ -299,6 +300,7 @@ class SpecplugRunnerMixin:
         self._sp_step_no = 0
         self._sp_last_finish = -(1 << 30)
         self._sp_last_refill = -(1 << 30)
+        self._sp_survivors: set[str] = set()  # running beside the last finish
         # Share of recently finished requests that ran to max_tokens (EMA;
         # engine/budget.BudgetController.token_values)
         self._sp_length_bound = 1.0
@@ -473,13 +475,18 @@ class SpecplugRunnerMixin:
                 self._sp_budget.forget(rid)
             if prop is not None:
                 prop.remove_request(rid)
+        running_before = set(self.input_batch.req_ids)
         out = super()._update_states(scheduler_output)
         self._sp_step_no += 1
         if scheduler_output.finished_req_ids:
             self._sp_last_finish = self._sp_step_no
-        new_reqs = scheduler_output.scheduled_new_reqs
-        if (new_reqs and self._sp_step_no - self._sp_last_finish <= REFILL_STEPS
-                and len(self.input_batch.req_ids) > len(new_reqs)):
+            # who still runs beside the finished: a new request next to one
+            # of them took a freed slot. (A new burst after the previous one
+            # finished whole, admitted a few prompts a step, is no refill.)
+            self._sp_survivors = running_before - gone
+        if (scheduler_output.scheduled_new_reqs
+                and self._sp_step_no - self._sp_last_finish <= REFILL_STEPS
+                and not self._sp_survivors.isdisjoint(self.input_batch.req_ids)):
             self._sp_last_refill = self._sp_step_no
         if prop is not None:
             for new in scheduler_output.scheduled_new_reqs:
