@@ -71,7 +71,8 @@ def test_closed_batch_and_waiting_requests_weigh_tokens_differently(ref_model):
     lens = [6, 40, 40, 40]
     with engine(ref_model, max_num_seqs=2) as llm:
         ref = greedy(llm, first, 24), _generate(llm, second, lens)
-    spec = {"method": "pld", "num_speculative_tokens": 8, "tree_branches": 2}
+    spec = {"method": "pld", "num_speculative_tokens": 8, "tree_branches": 2,
+            "closed_batch_values": True}
     with engine(ref_model, spec, max_num_seqs=2) as llm:
         got = [greedy(llm, first, 24)]
         b1 = llm.collective_rpc("specplug_stats")[0]["budget"]
@@ -83,3 +84,8 @@ def test_closed_batch_and_waiting_requests_weigh_tokens_differently(ref_model):
     # steps), open from then on
     steps, closed = b2["steps"] - b1["steps"], b2["closed_steps"] - b1["closed_steps"]
     assert steps > 30 and closed <= 10, (steps, closed)
+    # off by default (config.MethodConfig.closed_batch_values)
+    spec.pop("closed_batch_values")
+    with engine(ref_model, spec, max_num_seqs=2) as llm:
+        assert greedy(llm, first, 24) == ref[0]
+        assert llm.collective_rpc("specplug_stats")[0]["budget"]["closed_steps"] == 0

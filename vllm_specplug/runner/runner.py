@@ -953,10 +953,12 @@ class SpecplugRunnerMixin:
     def _sp_remaining(self, batch) -> list[int] | None:
         """Tokens each request of the step may still generate (``max_tokens``,
         ``max_model_len``), for the budget's closed-batch token values; None
-        while the workload looks open (a request took a finished one's place
+        unless the method's ``closed_batch_values`` is on, and while the
+        workload looks open (a request took a finished one's place
         within the last ``OPEN_WORKLOAD_STEPS`` steps), where every accepted
         token is worth a request's share of a step (engine/budget.py)."""
-        if self._sp_step_no - self._sp_last_refill <= OPEN_WORKLOAD_STEPS:
+        if (not self._sp_proposer.config.closed_batch_values
+                or self._sp_step_no - self._sp_last_refill <= OPEN_WORKLOAD_STEPS):
             return None
         out = []
         for s in batch:
