@@ -53,7 +53,8 @@ def test_specplug_method_becomes_custom_class_with_own_worker(tiny_model):
     assert cfg.parallel_config.worker_cls.startswith("vllm_specplug.runner.")
     assert cfg.additional_config["specplug"] == {
         "method": "pld",
-        "options": {"cost_aware": True, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "options": {"cost_aware": True, "closed_batch_values": False,
+                    "prompt_lookup_max": 3, "prompt_lookup_min": 1,
                     "tree_branches": 1, "branch_len": 4},
     }
 

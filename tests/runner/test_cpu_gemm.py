@@ -38,6 +38,8 @@ def test_only_a_specplug_load_routes_to_the_linear_kernel(monkeypatch):
         # AVX-512 is unknown; tests/kernels covers that refusal). This test
         # is about *where* routing happens, so the check is told to pass.
         monkeypatch.setattr(cpu_linear, "sum_block", lambda *args: 0)
+        # and forgets refusals cached by earlier tests in this process
+        monkeypatch.setattr(cpu_linear, "_checked", {})
 
     def prepared(k=576, n=960):
         layer = torch.nn.Linear(k, n, bias=False)
