@@ -276,19 +276,25 @@ class AcceptanceModel:
         self.engine.decay(factor)
         for rates in self.sources.values():
             rates.decay(factor)
-        req = self.requests.setdefault(req_id, _Rates.empty(self.max_depth, self.max_rank))
+        req = self._table(self.requests, req_id)
         for depth, rank, ok, *rest in outcomes:
             d, r = self._bucket(depth, rank)
             tables = [self.engine, req]
             src = rest[0] if rest else None
             if src is not None:
-                empty = _Rates.empty(self.max_depth, self.max_rank)
-                tables.append(self.sources.setdefault(src, empty))
-                tables.append(self.request_sources.setdefault(req_id, {})
-                              .setdefault(src, _Rates.empty(self.max_depth, self.max_rank)))
+                tables.append(self._table(self.sources, src))
+                tables.append(self._table(self.request_sources.setdefault(req_id, {}), src))
             for rates in tables:
                 rates.seen[d, r] += 1
                 rates.acc[d, r] += ok
+
+    def _table(self, tables: dict[str, _Rates], key: str) -> _Rates:
+        """``tables[key]``, created empty on first use (not allocated on
+        every lookup, as ``setdefault`` would: this runs per outcome)."""
+        rates = tables.get(key)
+        if rates is None:
+            rates = tables[key] = _Rates.empty(self.max_depth, self.max_rank)
+        return rates
 
     def forget(self, req_id: str) -> None:
         self.requests.pop(req_id, None)

@@ -44,8 +44,10 @@ class DraftTree:
         return len(self.tokens)
 
     @classmethod
-    def chain(cls, tokens: list[int]) -> DraftTree:
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+    def chain(cls, tokens: list[int], source: str | None = None) -> DraftTree:
+        """``tokens`` one after another; every node of ``source`` if given."""
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)),
+                   sources=None if source is None else [source] * len(tokens))
 
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

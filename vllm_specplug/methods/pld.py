@@ -62,9 +62,7 @@ class PLDProposer(Proposer):
             # (engine/budget.AcceptanceModel)
             source = f"match{n}"
             if len(conts) == 1:
-                chain = conts[0].tolist()
-                out.append(DraftTree(chain, list(range(-1, len(chain) - 1)),
-                                     sources=[source] * len(chain)))
+                out.append(DraftTree.chain(conts[0].tolist(), source))
                 continue
             # Reserve room for the side branches so the first one can't eat
             # the whole budget.

@@ -463,7 +463,8 @@ class SpecplugRunnerMixin:
         preempted = set(scheduler_output.preempted_req_ids or ())
         self._sp_stats.preempted += len(preempted)
         gone = set(scheduler_output.finished_req_ids) | preempted
-        for rid in scheduler_output.finished_req_ids:
+        closed = self._sp_closed_values()
+        for rid in scheduler_output.finished_req_ids if closed else ():
             req = self.requests.get(rid)
             max_tokens = getattr(getattr(req, "sampling_params", None), "max_tokens", None)
             if max_tokens:
@@ -475,16 +476,17 @@ class SpecplugRunnerMixin:
                 self._sp_budget.forget(rid)
             if prop is not None:
                 prop.remove_request(rid)
-        running_before = set(self.input_batch.req_ids)
+        running_before = set(self.input_batch.req_ids) if closed else set()
         out = super()._update_states(scheduler_output)
         self._sp_step_no += 1
-        if scheduler_output.finished_req_ids:
+        # the workload is only tracked for closed-batch values
+        if closed and scheduler_output.finished_req_ids:
             self._sp_last_finish = self._sp_step_no
             # who still runs beside the finished: a new request next to one
             # of them took a freed slot. (A new burst after the previous one
             # finished whole, admitted a few prompts a step, is no refill.)
             self._sp_survivors = running_before - gone
-        if (scheduler_output.scheduled_new_reqs
+        if (closed and scheduler_output.scheduled_new_reqs
                 and self._sp_step_no - self._sp_last_finish <= REFILL_STEPS
                 and not self._sp_survivors.isdisjoint(self.input_batch.req_ids)):
             self._sp_last_refill = self._sp_step_no
@@ -950,6 +952,12 @@ class SpecplugRunnerMixin:
                             length_bound=self._sp_length_bound)
         return cut
 
+    def _sp_closed_values(self) -> bool:
+        """The method's ``closed_batch_values`` is on (with the budget)."""
+        prop = self._sp_proposer
+        return (self._sp_budget is not None and prop is not None
+                and prop.config.closed_batch_values)
+
     def _sp_remaining(self, batch) -> list[int] | None:
         """Tokens each request of the step may still generate (``max_tokens``,
         ``max_model_len``), for the budget's closed-batch token values; None
@@ -957,7 +965,7 @@ class SpecplugRunnerMixin:
         workload looks open (a request took a finished one's place
         within the last ``OPEN_WORKLOAD_STEPS`` steps), where every accepted
         token is worth a request's share of a step (engine/budget.py)."""
-        if (not self._sp_proposer.config.closed_batch_values
+        if (not self._sp_closed_values()
                 or self._sp_step_no - self._sp_last_refill <= OPEN_WORKLOAD_STEPS):
             return None
         out = []
