@@ -44,6 +44,86 @@ def _timed(cls, name: str, sink: list[float]) -> None:
     setattr(cls, name, wrapper)
 
 
+PARTS = ("_update_states", "_prepare_inputs", "_model_forward", "_sample",
+         "propose_draft_token_ids", "_bookkeeping_sync")
+"""Runner methods timed per step with ``--by-rows`` (a specplug method's
+mixin overrides included: they are wrapped on the class vLLM builds)."""
+
+
+def _install_part_timers(spec) -> list[dict]:
+    """Per engine step: its scheduled rows and the seconds of each of
+    ``PARTS``, of the runner's ``execute_model`` + ``sample_tokens`` and of
+    the whole engine-core step (scheduling and output hand-over included)."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from vllm_specplug import registry
+
+    cls = CPUModelRunner
+    if spec is not None and registry.is_registered(spec.get("method", "")):
+        from vllm_specplug.runner.cpu_worker import SpecplugCPUModelRunner
+
+        cls = SpecplugCPUModelRunner
+    steps: list[dict] = []
+    cur: dict = {}
+
+    def timed(owner, name, on_call=None):
+        inner = getattr(owner, name)
+
+        def wrapper(self, *args, **kwargs):
+            if on_call is not None:
+                on_call(args)
+            t = time.perf_counter()
+            try:
+                return inner(self, *args, **kwargs)
+            finally:
+                cur[name] = cur.get(name, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+
+    for name in PARTS + ("sample_tokens",):
+        timed(cls, name)
+    timed(cls, "execute_model",
+          lambda args: cur.__setitem__("rows", args[0].total_num_scheduled_tokens))
+    inner_step = EngineCore.step
+
+    def step(self, *args, **kwargs):
+        cur.clear()
+        t = time.perf_counter()
+        try:
+            return inner_step(self, *args, **kwargs)
+        finally:
+            cur["step"] = time.perf_counter() - t
+            if "rows" in cur:
+                steps.append(dict(cur))
+
+    EngineCore.step = step
+    return steps
+
+
+def _print_by_rows(steps: list[dict]) -> dict:
+    """Median milliseconds of each part per scheduled-rows count."""
+    names = ("step", "execute_model", "sample_tokens") + PARTS
+    groups: dict[int, list[dict]] = {}
+    for st in steps:
+        groups.setdefault(int(st["rows"]), []).append(st)
+    out = {}
+    short = {"_update_states": "update", "_prepare_inputs": "prepare",
+             "_model_forward": "forward", "_sample": "sample",
+             "propose_draft_token_ids": "propose", "_bookkeeping_sync": "bookkeep",
+             "execute_model": "execute", "sample_tokens": "sample_tok"}
+    print("rows  steps " + " ".join(f"{short.get(n, n):>10s}" for n in names))
+    for rows in sorted(groups):
+        g = groups[rows]
+        if rows > 64:  # prefill chunks
+            continue
+        med = {n: round(statistics.median(st.get(n, 0.0) for st in g) * 1e3, 3)
+               for n in names}
+        out[rows] = {"steps": len(g), **med}
+        print(f"{rows:4d} {len(g):6d} " + " ".join(f"{med[n]:10.2f}" for n in names))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-steps", type=int, default=3,
                     help="first steps of each run left out of the medians (prefill)")
+    ap.add_argument("--by-rows", action="store_true",
+                    help="also split every step into the runner's parts (forward, "
+                         "input preparation, sampling, drafting, ...) and print their "
+                         "medians per number of scheduled rows (decode steps only)")
+    ap.add_argument("--sync", action="store_true",
+                    help="plain decoding without async scheduling (as speculation runs)")
     args = ap.parse_args(argv)
     spec = None if args.spec == "none" else json.loads(args.spec)
 
@@ -78,19 +164,24 @@ def main(argv: list[str] | None = None) -> int:
     step: list[float] = []
     _timed(GPUModelRunner, "_model_forward", fwd)
     _timed(EngineCore, "step", step)
+    parts = _install_part_timers(spec) if args.by_rows else None
+    extra = {"async_scheduling": False} if args.sync else {}
     llm = LLM(model=model, dtype="float32", max_model_len=args.max_model_len,
-              max_num_seqs=args.batch, seed=0, speculative_config=spec)
+              max_num_seqs=args.batch, seed=0, speculative_config=spec, **extra)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     warm = suites[0].prompts[: args.batch]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in warm],
                  SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     rows = []
+    parts_all: list[dict] = []
     for s in suites:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in s.prompts]
         for r in range(args.repeats):
             llm.reset_prefix_cache()
             fwd.clear()
             step.clear()
+            if parts is not None:
+                parts.clear()
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t
@@ -99,10 +190,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"suite": s.name, "repeat": r, "wall_s": round(wall, 3),
                          "steps": len(step), "forward_ms": round(mf, 2),
                          "rest_ms": round(ms - mf, 2)})
+            if parts is not None:
+                parts_all.extend(parts[args.skip_steps:])
             print(f"{args.spec[:40]:40s} {s.name:24s} r{r} wall {wall:6.2f} s  "
                   f"step {ms:6.1f} ms = forward {mf:6.1f} + rest {ms - mf:5.1f}", flush=True)
+    by_rows = _print_by_rows(parts_all) if args.by_rows else None
     print(json.dumps({"spec": spec, "batch": args.batch, "machine": machine_info(),
-                      "runs": rows}))
+                      "runs": rows, "by_rows": by_rows}))
     return 0
 
 

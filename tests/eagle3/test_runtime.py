@@ -195,3 +195,45 @@ def test_prefix_store_fills_cached_blocks(setup):
     rt.extend([("c", 32, other, aux[32:-1])])
     assert not rt.ready("c", m) and rt.stats.store_misses == 1
     assert rt.draft(["c"], [4], depth=4, topk=1) == [None]
+
+
+def test_warm_up_leaves_nothing_behind_but_a_level_time(setup):
+    """``warm_up`` drafts from a throw-away state before serving: afterwards
+    no state, no prefix-store block and no counter remain, and on CPU the
+    drafting level's time is seeded (from the second, warm draft). The
+    runtime then drafts exactly what a fresh runtime drafts."""
+    head, ids, aux = setup
+    rt = _runtime(head)
+    rt.warm_up(depth=4, topk=4)
+    assert rt.states == {} and len(rt.store) == 0
+    assert rt.stats.draft_calls == 0 and rt.stats.head_passes == 0
+    assert rt.stats.extended_rows == 0
+    assert rt.level_seconds is not None and 0 < rt.level_seconds < 1.0
+    fresh = _runtime(head)
+    trees = []
+    for r in (rt, fresh):
+        r.add("a")
+        r.extend([("a", 0, ids, aux[: len(ids) - 1])])
+        trees.append(r.draft(["a"], [12], depth=4, topk=4)[0])
+    assert trees[0].tokens == trees[1].tokens and trees[0].parents == trees[1].parents
+
+
+def test_one_slow_level_cannot_price_every_later_level_out(setup):
+    """A drafting level measured far slower than usual (a new shape's first
+    call, the OS taking a core) moves the level-time estimate by at most
+    ``LEVEL_JUMP`` times: seen uncapped, one 343 ms level left the estimate
+    so high that the cost-aware depth stop cut every later tree to one
+    level, and no later level ran to correct it."""
+    from vllm_specplug.eagle3.runtime import LEVEL_JUMP
+
+    head, _, _ = setup
+    rt = _runtime(head)
+    rt._observe_level(0.004)
+    assert rt.level_seconds == pytest.approx(0.004)  # the first sample seeds it
+    rt._observe_level(0.343)
+    assert rt.level_seconds <= 0.004 + 0.2 * (LEVEL_JUMP - 1) * 0.004 + 1e-12
+    for _ in range(30):
+        rt._observe_level(0.004)
+    assert rt.level_seconds == pytest.approx(0.004, rel=0.01)
+    rt._observe_level(0.002)  # faster levels count in full
+    assert rt.level_seconds == pytest.approx(0.004 + 0.2 * (0.002 - 0.004), rel=0.01)

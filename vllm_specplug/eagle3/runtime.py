@@ -52,6 +52,10 @@ BLOCK = 16
 
 SOURCE = "eagle3"
 
+LEVEL_JUMP = 2.0
+"""Largest factor one measured drafting level may count against the
+running estimate (``Eagle3Runtime._observe_level``)."""
+
 DepthHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
 """``hook(depth, frontier_logp [B, m]) -> keep [B] bool | None``: called
 before the frontier at ``depth`` (its cumulative log-probabilities; confidence
@@ -137,9 +141,49 @@ class Eagle3Runtime:
         self.level_seconds: float | None = None
         """One drafting level's time (EMA; logits + top-k + a head pass),
         measured on CPU only: a GPU's launches are asynchronous, and its
-        passes cost little next to a target step."""
+        passes cost little next to a target step. Seeded by
+        :meth:`warm_up`; each later level moves it by at most
+        ``LEVEL_JUMP`` times (see ``_observe_level``)."""
 
     # ------------------------------------------------------------ lifecycle
+    @torch.no_grad()
+    def warm_up(self, depth: int, topk: int, rows: int = 2 * BLOCK) -> None:
+        """Draft once from a throw-away state before serving, then forget it.
+
+        The first calls of each GEMM shape pay one-time costs (oneDNN builds
+        a primitive per row count: the first draft of a benchmark took
+        343-445 ms for ~2 ms of work). Measured as the first drafting level,
+        that spike made the cost-aware depth stop below every level from
+        then on, and no later level ever ran to correct it (session 27: the
+        head of ``graft``, ``respec`` and ``reader`` drafted one level all
+        run long). The user's first request pays it otherwise, too."""
+        width = self.head.fc.in_features
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, self.head.cfg["vocab_size"], (rows + 1,), generator=g).numpy()
+        aux = torch.randn(rows, width, generator=g) * 0.1
+        rid = "__specplug_warm_up__"
+        saved, self.stats = self.stats, RuntimeStats()
+        try:
+            self.add(rid)
+            self.extend([(rid, 0, tokens, aux)])
+            for _ in range(2):  # the second pass sees warm kernels only
+                self.level_seconds = None
+                self.draft([rid], [depth * topk], depth=min(depth, 3), topk=topk)
+        finally:
+            self.remove(rid)
+            self.store.clear()  # its blocks (before serving, nothing else is there)
+            self.stats = saved
+
+    def _observe_level(self, seconds: float) -> None:
+        """One drafting level's time into ``level_seconds``: a sample counts
+        at most ``LEVEL_JUMP`` times the estimate, so one slow level (a new
+        shape's first call, the OS taking a core) cannot make every later
+        level look unaffordable -- levels that never run never correct it."""
+        old = self.level_seconds
+        if old is not None:
+            seconds = min(seconds, LEVEL_JUMP * old)
+        self.level_seconds = ema(old, seconds, 0.2)
+
     def add(self, req_id: str) -> None:
         self.states[req_id] = self._new_state(256)
 
@@ -456,8 +500,7 @@ class Eagle3Runtime:
             self.stats.head_rows += int(alive.sum()) * k_new
             self.stats.head_passes += 1
             if timed:
-                self.level_seconds = ema(self.level_seconds,
-                                         time.perf_counter() - t_level, 0.2)
+                self._observe_level(time.perf_counter() - t_level)
             front_score = nxt_score
             front_cand = nxt + n_cand
             n_cand += c_tok.shape[1]

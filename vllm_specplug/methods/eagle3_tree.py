@@ -118,6 +118,7 @@ class Eagle3TreeProposer(Proposer):
         if ctx.prepare_linears is not None:
             ctx.prepare_linears(head)  # the engine's GEMM kernels: 3-4x on CPU
         self.runtime = Eagle3Runtime(head, config.prefix_store_tokens)
+        self.runtime.warm_up(config.depth, config.topk)
         self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
         self._steps = 0
