@@ -44,15 +44,19 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
 
-def _timed(cls, name: str, sink: list[float]) -> None:
+def _timed(cls, name: str, record, before=None) -> None:
+    """Wrap ``cls.name``: ``record(seconds)`` after every call, and
+    ``before(args)`` ahead of it when given."""
     inner = getattr(cls, name)
 
     def wrapper(self, *args, **kwargs):
+        if before is not None:
+            before(args)
         t = time.perf_counter()
         try:
             return inner(self, *args, **kwargs)
         finally:
-            sink.append(time.perf_counter() - t)
+            record(time.perf_counter() - t)
 
     setattr(cls, name, wrapper)
 
@@ -64,9 +68,10 @@ mixin overrides included: they are wrapped on the class vLLM builds)."""
 
 
 def _install_part_timers(spec) -> list[dict]:
-    """Per engine step: its scheduled rows and the seconds of each of
-    ``PARTS``, of the runner's ``execute_model`` + ``sample_tokens`` and of
-    the whole engine-core step (scheduling and output hand-over included)."""
+    """Per engine step: its scheduled rows, whether it only decoded, and the
+    seconds of each of ``PARTS``, of the runner's ``execute_model`` +
+    ``sample_tokens`` and of the whole engine-core step (scheduling and
+    output hand-over included)."""
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
@@ -80,46 +85,39 @@ def _install_part_timers(spec) -> list[dict]:
     steps: list[dict] = []
     cur: dict = {}
 
-    def timed(owner, name, on_call=None):
-        inner = getattr(owner, name)
+    def add(name):
+        return lambda seconds: cur.__setitem__(name, cur.get(name, 0.0) + seconds)
 
-        def wrapper(self, *args, **kwargs):
-            if on_call is not None:
-                on_call(args)
-            t = time.perf_counter()
-            try:
-                return inner(self, *args, **kwargs)
-            finally:
-                cur[name] = cur.get(name, 0.0) + time.perf_counter() - t
+    def scheduled(args) -> None:
+        so = args[0]
+        cur["rows"] = so.total_num_scheduled_tokens
+        # decode only: every request runs its last token plus its drafts
+        # (a prompt chunk schedules more; a batch with drafts may exceed
+        # any fixed row count, so no threshold tells the two apart)
+        drafts = sum(len(t) for t in so.scheduled_spec_decode_tokens.values())
+        cur["decode"] = (not so.scheduled_new_reqs and so.total_num_scheduled_tokens
+                         == len(so.num_scheduled_tokens) + drafts)
 
-        setattr(owner, name, wrapper)
+    def finish(seconds) -> None:
+        cur["step"] = seconds
+        if "rows" in cur:
+            steps.append(dict(cur))
 
     for name in PARTS + ("sample_tokens",):
-        timed(cls, name)
-    timed(cls, "execute_model",
-          lambda args: cur.__setitem__("rows", args[0].total_num_scheduled_tokens))
-    inner_step = EngineCore.step
-
-    def step(self, *args, **kwargs):
-        cur.clear()
-        t = time.perf_counter()
-        try:
-            return inner_step(self, *args, **kwargs)
-        finally:
-            cur["step"] = time.perf_counter() - t
-            if "rows" in cur:
-                steps.append(dict(cur))
-
-    EngineCore.step = step
+        _timed(cls, name, add(name))
+    _timed(cls, "execute_model", add("execute_model"), before=scheduled)
+    _timed(EngineCore, "step", finish, before=lambda args: cur.clear())
     return steps
 
 
 def _print_by_rows(steps: list[dict]) -> dict:
-    """Median milliseconds of each part per scheduled-rows count."""
+    """Median milliseconds of each part per scheduled-rows count, over
+    the steps that only decoded."""
     names = ("step", "execute_model", "sample_tokens") + PARTS
     groups: dict[int, list[dict]] = {}
     for st in steps:
-        groups.setdefault(int(st["rows"]), []).append(st)
+        if st["decode"]:
+            groups.setdefault(int(st["rows"]), []).append(st)
     out = {}
     short = {"_update_states": "update", "_prepare_inputs": "prepare",
              "_model_forward": "forward", "_sample": "sample",
@@ -128,8 +126,6 @@ def _print_by_rows(steps: list[dict]) -> dict:
     print("rows  steps " + " ".join(f"{short.get(n, n):>10s}" for n in names))
     for rows in sorted(groups):
         g = groups[rows]
-        if rows > 64:  # prefill chunks
-            continue
         med = {n: round(statistics.median(st.get(n, 0.0) for st in g) * 1e3, 3)
                for n in names}
         out[rows] = {"steps": len(g), **med}
@@ -177,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
               for s in args.suites.split(",") if s.strip()]
     fwd: list[float] = []
     step: list[float] = []
-    _timed(GPUModelRunner, "_model_forward", fwd)
-    _timed(EngineCore, "step", step)
+    _timed(GPUModelRunner, "_model_forward", fwd.append)
+    _timed(EngineCore, "step", step.append)
     parts = _install_part_timers(spec) if args.by_rows else None
     extra = {"async_scheduling": False} if args.sync else {}
     llm = LLM(model=model, dtype="float32", max_model_len=args.max_model_len,
