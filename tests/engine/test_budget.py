@@ -273,6 +273,21 @@ def test_gate_closes_when_drafting_does_not_pay_for_itself():
     assert ctl.stats.gated_steps == 6
 
 
+def test_will_draft_tells_what_draft_now_answers():
+    # the runner reads will_draft in sampling, before draft_now: it must
+    # say the same and change nothing (a closed gate's skips and explores)
+    ctl = _one_node_controller(0.05, 50.0)
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)  # closes
+    seen = []
+    for _ in range(3):
+        for _ in range(5):
+            peek, peek2 = ctl.will_draft, ctl.will_draft
+            assert peek == peek2 == ctl.draft_now()
+            seen.append(peek)
+        ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert False in seen and True in seen
+
+
 def test_gate_stays_open_when_drafting_pays_and_reopens():
     # 1.9 tokens / 150 ms > 1 / 100 ms: drafting pays even at 50 ms
     ctl = _one_node_controller(0.9, 50.0)

@@ -4,6 +4,9 @@ for trees that are never accepted."""
 from __future__ import annotations
 
 from tests.conftest import engine, greedy
+from vllm_specplug import registry
+from vllm_specplug.engine.interface import Needs
+from vllm_specplug.methods.oracle import OracleProposer
 
 PROMPTS = [[(17 * i + 7 * j) % 4000 + 100 for j in range(40)] for i in range(8)]
 
@@ -89,3 +92,41 @@ def test_closed_batch_and_waiting_requests_weigh_tokens_differently(ref_model):
     with engine(ref_model, spec, max_num_seqs=2) as llm:
         assert greedy(llm, first, 24) == ref[0]
         assert llm.collective_rpc("specplug_stats")[0]["budget"]["closed_steps"] == 0
+
+
+GATED: list[tuple[bool, bool]] = []
+"""Per decode step of GatedProbe: (some request may draft, some decoding
+request got top-k or entropies)."""
+
+
+class GatedProbe(OracleProposer):
+    """Noise trees (never pay: the gate closes) that ask for top-k and
+    entropies, and record which steps got them."""
+
+    name = "gated_probe"
+
+    def needs(self) -> Needs:
+        return Needs(topk=4, entropy=True)
+
+    def propose(self, batch):
+        dec = [r for r in batch if r.sampled and len(r.token_ids) > r.num_prompt_tokens + 1]
+        if dec:
+            GATED.append((any(r.budget > 0 for r in batch),
+                          any(r.topk_ids is not None or r.entropy is not None for r in dec)))
+        return super().propose(batch)
+
+
+def test_closed_gate_steps_compute_no_topk_or_entropy(ref_model):
+    # top-k and entropies only serve drafts: a step the gate keeps from
+    # drafting must not pay for them (issue 21: ~1 ms of a batch-8 step),
+    # and a step that drafts (an exploring one included) must get them
+    registry.register("gated_probe", "tests.runner.test_budget_engine:GatedProbe")
+    spec = {"method": "gated_probe", "mode": "noise", "num_speculative_tokens": 8,
+            "cost_aware": True}
+    with engine(ref_model, spec) as llm:
+        greedy(llm, PROMPTS[:2], 64)
+    drafting = [got for may, got in GATED if may]
+    gated = [got for may, got in GATED if not may]
+    assert gated and drafting, GATED  # the gate closed, and it explored
+    assert not any(gated)
+    assert all(drafting)

@@ -73,3 +73,19 @@ def test_entropy_matches_target_recompute(ref_model):
         assert set(range(len(prompt) - 3, len(seq) - 2)) <= set(pos.tolist())
         got = np.array([seen[p] for p in pos])
         np.testing.assert_allclose(got, ref[pos], atol=2e-3, rtol=1e-3)
+
+
+def test_entropy_formula_matches_entr_of_softmax_with_masked_entries():
+    # the runner's one-pass form against the textbook one, masked (-inf)
+    # entries and float16 logits included
+    import torch
+
+    from vllm_specplug.runner.runner import _entropy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4000, generator=g) * torch.tensor([[0.1], [1.0], [5.0], [20.0], [1.0]])
+    x[4, :3990] = -float("inf")
+    ref = torch.special.entr(torch.softmax(x.double(), -1)).sum(-1).float()
+    torch.testing.assert_close(_entropy(x), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_entropy(x.half()), _entropy(x.half().float()))
+    assert torch.isfinite(_entropy(x)).all()

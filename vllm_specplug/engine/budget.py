@@ -539,6 +539,13 @@ class DraftGate:
         once drafting has paid at least once."""
         return self.open and self.proven and not self.exploring
 
+    @property
+    def will_draft(self) -> bool:
+        """What the step's ``draft_now`` will answer, without counting a
+        skip: read earlier in the step (the runner's sampling), to leave
+        out the drafting-only inputs of a step that drafts nothing."""
+        return self.open or self._skip <= 0
+
     def draft_now(self) -> bool:
         """Ask the method for drafts this step? (exploring once a closed
         gate has skipped its steps)"""
@@ -641,6 +648,12 @@ class BudgetController:
         if not ok:
             self.stats.gated_steps += 1
         return ok
+
+    @property
+    def will_draft(self) -> bool:
+        """Whether this step's ``draft_now`` will ask for drafts (a peek,
+        before it is called)."""
+        return self.gate.will_draft
 
     @property
     def exploring(self) -> bool:
