@@ -491,14 +491,16 @@ def test_side_work_waits_until_drafting_has_paid_once():
 
 def test_reset_learning_makes_the_controller_cold():
     # a warm-up of filler proved drafting; reset_learning makes the
-    # controller cold again (gate open, unproven, prior acceptance,
-    # calibration 1, no step cost known: the first step verifies everything)
+    # controller cold again (gate closed and exploring at once, unproven,
+    # prior acceptance, calibration 1, no step cost known: the first step
+    # verifies everything)
     ctl = _one_node_controller(0.9, 50.0)
     ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
     ctl._cal_expected, ctl._cal_realised = 100.0, 10.0
     assert ctl.gate.proven and ctl.calibration < 1.0
     ctl.reset_learning()
-    assert not ctl.gate.proven and ctl.gate.open and ctl.gate.draft_seconds == 0.0
+    assert not ctl.gate.proven and not ctl.gate.open and ctl.gate.draft_seconds == 0.0
+    assert ctl.draft_now() and ctl.exploring
     assert ctl.calibration == 1.0
     assert ctl.acceptance.rates(None)[0, 0] == pytest.approx(AcceptanceModel().prior)
     assert not ctl.cost.known

@@ -434,16 +434,23 @@ class DraftGate:
         self.drafting_requests: float | None = None
         """Requests asked for a draft per drafting step (EMA, same steps as
         ``propose_seconds[True]``): drafting cost scales with them."""
-        self.open = True
+        self.open = False
+        """Starts closed, due to explore at once: until a drafted step has
+        paid, one request (round robin) drafts a step, not the batch. A cold
+        engine has no evidence that drafting pays, and a batch's first
+        drafts are its dearest: a head catches up on every prompt (seen at
+        batch 8 on summarization: 0.3-0.7 s of a 14 s suite before the gate
+        first closed, 0.91x plain decoding with 9 drafted steps of 129). At
+        batch 1 the one request is the batch: nothing changes there."""
         self.proven = False
         """Some drafted step has paid for its drafting. Until then the
         runner skips drafting-only side work (a prompt's LM-head pass): the
-        gate starts open and is only judged on steps that verify a tree, so
+        gate is only judged on steps that verify a tree, so
         a method whose drafts start empty (``recycle``'s table) would
         otherwise pay the pass over the whole first burst of prompts before
         any evidence (seen at batch 8 on summarization: 4.3 s of a 32 s
         suite, 0.87x plain decoding, where drafting never paid)."""
-        self._skip = 0  # steps to skip before the next exploring step
+        self._skip = 0  # steps to skip before the next exploring step (0: explore now)
         self._backoff = 1
         self._drafted_last = True
         self.exploring = False
