@@ -556,13 +556,12 @@ class DraftGate:
     def draft_now(self) -> bool:
         """Ask the method for drafts this step? (exploring once a closed
         gate has skipped its steps)"""
-        self.exploring = False
-        if self.open:
-            return True
-        if self._skip > 0:
+        # one predicate for both: the runner's earlier peek must agree
+        if not self.will_draft:
             self._skip -= 1
+            self.exploring = False
             return False
-        self.exploring = True  # judge() decides again after this step
+        self.exploring = not self.open  # judge() decides again after this step
         return True
 
 
