@@ -34,6 +34,7 @@ _METHODS: dict[str, str] = {
     "graft": "vllm_specplug.methods.graft:GraftProposer",
     "respec": "vllm_specplug.methods.respec:RespecProposer",
     "reader": "vllm_specplug.methods.reader:ReaderProposer",
+    "suffix_tree": "vllm_specplug.methods.suffix_tree:SuffixTreeProposer",
 }
 
 

@@ -306,16 +306,47 @@ def test_gate_stays_open_when_drafting_pays_and_reopens():
     assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
 
 
-def test_gate_without_drafting_cost_is_the_cut():
-    # free drafting: the gate closes only when the best cut is empty
+def test_gate_without_drafting_cost_never_closes():
+    # free drafting: a step whose best cut is empty loses nothing, so the
+    # gate stays open (it used to close on it and skip the next 2-32
+    # steps' drafts, good ones included)
     ctl = _one_node_controller(0.05, 0.0)
     ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
     assert ctl.draft_now()
     for _ in range(8):  # now a row costs nearly a plain step: nothing pays
         ctl.cost.observe(2, 0.200)
-    _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
-    assert choice.sizes == [0]
-    assert not ctl.draft_now()
+    for _ in range(20):
+        _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+        assert choice.sizes == [0]
+        assert ctl.draft_now()
+
+
+def test_gate_closes_on_the_average_of_drafted_steps():
+    # 1 ms of drafting a step. The first step's node pays: 1.5 tokens (100
+    # ms of plain decoding each) in a 100 ms step, +49 ms. Then a row costs
+    # a plain step and every cut is empty: -1 ms a step. The average
+    # (alpha 0.2) turns negative after 18 such steps, not after the first;
+    # a closed gate's exploring step that pays opens it again.
+    ctl = _one_node_controller(0.5, 1.0)
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    assert ctl.draft_now()
+    assert ctl.gate.surplus == pytest.approx(1.5 * 0.100 - 0.100 - 0.001)
+    for _ in range(8):
+        ctl.cost.observe(2, 0.200)
+    for step in range(1, 40):
+        _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+        assert choice.sizes == [0]
+        if not ctl.draft_now():
+            break
+    assert step == 18
+    for _ in range(8):
+        ctl.cost.observe(2, 0.100)
+    while not ctl.draft_now():  # skipped steps, then one exploring step
+        pass
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+    # judged alone (the step-cost curve's 2-row knot is still coming down)
+    assert ctl.gate.open
+    assert ctl.gate.surplus == pytest.approx(1.5 * ctl.cost(1) - ctl.cost(2) - 0.001)
 
 
 def test_gate_ignores_the_catch_up_of_the_first_draft_after_a_gap():
@@ -450,9 +481,15 @@ def test_side_work_counts_as_drafting_cost():
         ctl.observe_side(0.080)
     assert ctl.gate.draft_cost(1) == pytest.approx(0.080, rel=0.01)
     assert ctl.as_dict()["side_ms"] == pytest.approx(80.0, rel=0.01)
-    _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
-    assert choice.sizes == [1]  # sunk by now: the node is still verified
-    assert not ctl.draft_now()  # but the gate closes
+    # each step: 1.5 tokens of plain decoding's 100 ms each, against 100 ms
+    # and 80 ms of side work: -30 ms; the average of drafted steps (+50 ms
+    # from the first) turns negative after 5 of them
+    for step in range(1, 7):
+        _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+        assert choice.sizes == [1]  # sunk by now: the node is still verified
+        if not ctl.draft_now():  # but the gate closes
+            break
+    assert step == 5
     for _ in range(200):  # the side work stops (e.g. no new prompts)
         ctl.observe_side(0.0)
     assert ctl.gate.draft_cost(1) < 0.002

@@ -1,0 +1,71 @@
+"""`suffix_tree` on the real engine: greedy output token-identical to plain
+decoding at batch 1 and 8 (reference model, trees verified), under
+preemption, prefix caching and chunked prefill (tiny model), and the
+sampling distribution kept."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.conftest import engine, greedy
+from tests.methods.sampling import check_sampling_keeps_distribution
+from tests.methods.test_methods_engine import _flush
+from tests.methods.test_pld_engine import MAX_TOKENS, _prompts
+from vllm_specplug.sources import suffix_cache
+
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not suffix_cache.available(),
+                                 reason="arctic-inference is not installed")]
+
+# pinned size and a permissive tree: the trees verified are the method's own
+# (the cost-aware cut may rightly verify little on a short run)
+SPEC = {"method": "suffix_tree", "num_speculative_tokens": 12, "cost_aware": False,
+        "max_spec_factor": 4.0, "min_token_prob": 0.02}
+
+
+@pytest.fixture(scope="module")
+def baseline(ref_model):
+    prompts = _prompts(ref_model, 8)
+    with engine(ref_model, max_model_len=1024) as llm:
+        return prompts, greedy(llm, prompts, MAX_TOKENS)
+
+
+def test_lossless_batch_1_and_8_and_frees_requests(ref_model, baseline):
+    prompts, ref = baseline
+    with engine(ref_model, SPEC, max_model_len=1024) as llm:
+        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        _flush(llm)
+        stats = llm.collective_rpc("specplug_stats")[0]
+    m = stats["method"]
+    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
+    # every request's own tree freed but the flush request's (its end
+    # reaches the worker with the next step); every output kept globally
+    assert m["live_requests"] <= 1, m
+    assert m["cached_responses"] == 10, m  # 1 + 8 + the flush request
+
+
+def test_preemption_prefix_caching_chunked_prefill(tiny_model):
+    rng = random.Random(5)
+    # the tiny random model repeats itself, so drafts from its own output
+    # and from earlier requests' outputs are accepted
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in [300, 250, 40, 129, 7, 33] * 3]
+    with engine(tiny_model) as llm:
+        ref = greedy(llm, prompts, 40)
+    spec = {**SPEC, "cost_aware": True}
+    with engine(tiny_model, spec, num_gpu_blocks_override=10, enable_prefix_caching=True,
+                enable_chunked_prefill=True, max_num_batched_tokens=128) as llm:
+        assert greedy(llm, prompts, 40) == ref
+        assert greedy(llm, prompts, 40) == ref  # prompts from the prefix cache
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0, stats
+
+
+def test_sampling_keeps_target_distribution(ref_model):
+    # 600 samples of one prompt: the global suffix tree holds the earlier
+    # samples, so trees branch where the samples did
+    stats = check_sampling_keeps_distribution(
+        ref_model, SPEC, "List the first ten prime numbers, one per line.", max_tokens=6)
+    assert stats["method"]["cached_responses"] > 0

@@ -1,0 +1,94 @@
+"""`suffix_tree`: SuffixDecoding's draft trees, verified as trees.
+
+SuffixDecoding (Oliaro et al., 2024) drafts from suffix trees over the
+request's prompt and output and over earlier requests' outputs, and
+speculates a *tree* of the likeliest continuations. vLLM's built-in
+``suffix`` method uses the same suffix trees but can verify only one path,
+so it drafts that path alone. Here the whole tree is verified in one target
+pass (the plugin's tree verification), and the cost-aware budget cuts it
+per request and step with acceptance it learns per match length and fork
+(``sources/suffix_cache.py``): a cheap row on the CPU is worth a branch when
+the branch is accepted often enough, and not otherwise.
+
+Model-free: no forward pass of its own, nothing captured from the target.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import Field
+
+from vllm_specplug.config import MethodConfig, SpecplugConfigError
+from vllm_specplug.engine.interface import Proposer, ProposerContext, ProposerStats, StepRequest
+from vllm_specplug.engine.stats import RunningStat
+from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.sources import suffix_cache
+from vllm_specplug.sources.suffix_cache import SuffixCache
+
+
+class SuffixTreeConfig(MethodConfig):
+    tree: bool = True
+    """Speculate a tree (the likeliest continuations best-first); False
+    drafts the single likeliest path, as vLLM's ``suffix`` does."""
+    max_tree_depth: int = Field(default=24, ge=1, le=1024)
+    """Longest context suffix matched, and deepest draft (the suffix trees'
+    depth)."""
+    max_cached_requests: int = Field(default=10000, ge=0)
+    """Earlier requests whose outputs stay in the global suffix tree (FIFO);
+    0 drafts from each request's own prompt and output only."""
+    max_spec_factor: float = Field(default=1.0, ge=0.0)
+    """A draft from a context match of ``m`` tokens holds at most
+    ``max_spec_factor * m + max_spec_offset`` nodes (a short match is weak
+    evidence for a long copy)."""
+    max_spec_offset: float = 0.0
+    """See ``max_spec_factor``."""
+    min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Nodes whose count-based path probability is below this are not
+    drafted."""
+
+    def check_engine(self, vllm_config) -> None:
+        if not suffix_cache.available():
+            raise SpecplugConfigError(
+                "method 'suffix_tree' needs the arctic-inference package (its "
+                "suffix trees): pip install arctic-inference==0.3.0, or run "
+                "scripts/setup.sh, which builds it")
+
+
+class SuffixTreeProposer(Proposer):
+    name = "suffix_tree"
+    config_cls = SuffixTreeConfig
+
+    def __init__(self, config: SuffixTreeConfig, ctx: ProposerContext) -> None:
+        super().__init__(config, ctx)
+        self.cache = SuffixCache(config.max_tree_depth, config.max_cached_requests)
+        self._time = RunningStat()
+
+    def add_request(self, req_id: str) -> None:
+        # a request the runner saw leave is fed again from its prompt
+        self.cache.stop(req_id)
+
+    def remove_request(self, req_id: str) -> None:
+        self.cache.stop(req_id)
+
+    def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        cfg: SuffixTreeConfig = self.config
+        t = time.perf_counter()
+        out: list[DraftTree | None] = []
+        for req in batch:
+            if not req.sampled:  # a prompt chunk: the prompt is fed once it is whole
+                out.append(None)
+                continue
+            # every step, drafting or not: the trees must hold every token
+            self.cache.sync(req.req_id, req.token_ids, req.num_prompt_tokens)
+            out.append(self.cache.draft(
+                req.req_id, req.token_ids, req.budget, tree=cfg.tree and not req.chain_only,
+                max_spec_factor=cfg.max_spec_factor, max_spec_offset=cfg.max_spec_offset,
+                min_token_prob=cfg.min_token_prob))
+        self._time.add(time.perf_counter() - t)
+        return out
+
+    def stats(self) -> ProposerStats:
+        return ProposerStats(gauges={"live_requests": self.cache.active,
+                                     "cached_responses": self.cache.cached,
+                                     "propose": self._time.as_ms()})

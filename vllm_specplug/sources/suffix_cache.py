@@ -1,0 +1,129 @@
+"""Suffix-tree drafting over every request's prompt and all recent outputs
+(SuffixDecoding, Oliaro et al. 2024), as a piece any method can compose.
+
+The trees themselves are Arctic Inference's ``SuffixDecodingCache`` (C++; the
+library vLLM's own ``suffix`` method uses, built by ``scripts/setup.sh``):
+one suffix tree per running request over its prompt and output, and one
+global tree over the outputs of up to ``max_cached_requests`` earlier and
+running requests, each node counting how often its continuation occurred.
+A draft follows the longest matches of the context's last tokens and
+expands the continuations best-first by their count-based probability.
+
+What this piece adds is the bookkeeping a specplug method needs: requests
+are synced from ``StepRequest.token_ids`` (only the tokens not fed yet; a
+request that comes back after preemption starts over, its earlier response
+evicted from the global tree first), and a draft comes back as a
+``DraftTree`` -- a real tree, which vLLM's ``suffix`` cannot verify and so
+flattens to one path -- with per-node scores and sources for the
+cost-aware budget.
+
+Sources: the budget learns ``P(accepted | parent accepted)`` per source,
+so each node is named by what predicts its acceptance: the length of the
+context match the draft grew from (``m1``, ``m2``, ``m4``, ``m8``: a long
+match is a copy, a short one a guess) and whether the node is a fork
+(``f``: its count-based probability is below its parent's, i.e. other
+continuations were seen there too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from vllm_specplug.engine.tree import DraftTree
+
+_MATCH_BUCKETS = (8, 4, 2, 1)
+
+
+def _load_cache_class():
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+    except ImportError as e:  # checked at start-up by the method's config
+        raise ImportError(
+            "suffix-tree drafting needs Arctic Inference's suffix trees: "
+            "pip install arctic-inference==0.3.0 (scripts/setup.sh builds it)") from e
+    return SuffixDecodingCache
+
+
+def available() -> bool:
+    try:
+        _load_cache_class()
+    except ImportError:
+        return False
+    return True
+
+
+def match_source(match_len: int, fork: bool) -> str:
+    bucket = next(b for b in _MATCH_BUCKETS if match_len >= b) if match_len >= 1 else 1
+    return f"m{bucket}{'f' if fork else ''}"
+
+
+def to_draft_tree(token_ids: Iterable[int], parents: Iterable[int],
+                  probs: Iterable[float], match_len: int) -> DraftTree:
+    """A suffix draft as a ``DraftTree``: Arctic's drafts are laid out
+    best-first by path probability, each node after its parent (-1: the
+    root), which is the topological order a ``DraftTree`` needs."""
+    tokens, parents, probs = list(token_ids), list(parents), list(probs)
+    sources = []
+    for i, p in enumerate(parents):
+        parent_prob = 1.0 if p < 0 else probs[p]
+        sources.append(match_source(match_len, probs[i] < parent_prob))
+    return DraftTree(tokens, parents, scores=probs, sources=sources)
+
+
+class SuffixCache:
+    """Per-request and global suffix trees, synced from each step's tokens."""
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000) -> None:
+        self._cache = _load_cache_class()(max_tree_depth=max_tree_depth,
+                                          max_cached_requests=max_cached_requests)
+        self.max_tree_depth = max_tree_depth
+        self._fed: dict[str, int] = {}  # req_id -> tokens in its trees
+
+    def sync(self, req_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
+        """Feed ``req_id``'s tokens that its trees do not hold yet (a request
+        seen for the first time starts with its prompt)."""
+        fed = self._fed.get(req_id)
+        if fed is None:
+            # start_request evicts a response cached under the same id (a
+            # preempted request coming back): it is fed again below
+            self._cache.start_request(
+                req_id, np.ascontiguousarray(token_ids[:num_prompt_tokens], dtype=np.int32))
+            fed = num_prompt_tokens
+        if len(token_ids) > fed:
+            self._cache.add_active_response(
+                req_id, np.ascontiguousarray(token_ids[fed:], dtype=np.int32))
+            fed = len(token_ids)
+        self._fed[req_id] = fed
+
+    def stop(self, req_id: str) -> None:
+        """The request left (finished, aborted, preempted): drop its own tree;
+        its response stays in the global tree for later requests."""
+        if self._fed.pop(req_id, None) is not None:
+            self._cache.stop_request(req_id)
+
+    def draft(self, req_id: str, token_ids: np.ndarray, max_nodes: int, *,
+              tree: bool = True, max_spec_factor: float = 1.0,
+              max_spec_offset: float = 0.0, min_token_prob: float = 0.1) -> DraftTree | None:
+        """The best draft (a tree, or one path) after ``token_ids`` for a
+        synced request, at most ``max_nodes`` nodes; None when nothing
+        matches."""
+        if max_nodes <= 0:
+            return None
+        context = np.ascontiguousarray(token_ids[-self.max_tree_depth:], dtype=np.int32)
+        d = self._cache.speculate(req_id, context, max_spec_tokens=max_nodes,
+                                  max_spec_factor=max_spec_factor,
+                                  max_spec_offset=max_spec_offset,
+                                  min_token_prob=min_token_prob, use_tree_spec=tree)
+        if not d.token_ids:
+            return None
+        return to_draft_tree(d.token_ids, d.parents, d.probs, d.match_len)
+
+    @property
+    def active(self) -> int:
+        return len(self._fed)
+
+    @property
+    def cached(self) -> int:
+        return len(self._cache.cached_requests)
