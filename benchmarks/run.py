@@ -87,7 +87,7 @@ from benchmarks.machine import describe as describe_machine, machine_info
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_METHODS = "none,ngram,suffix,eagle3,pld,recycle,adapld,dresd"
+DEFAULT_METHODS = "none,ngram,suffix,eagle3,pld,recycle,adapld,dresd,suffix_tree"
 DEFAULT_SUITES = "specbench,humaneval,mtbench,gsm8k"
 QUICK = {"methods": "none,pld", "limit": 2, "max_tokens": 32, "batch": "1,2",
          "max_model_len": 1024}
@@ -257,7 +257,11 @@ def preflight(name: str, kind: str, opts: dict, model: str | None = None) -> str
         return None
     from vllm_specplug import registry
     from vllm_specplug.config import SpecplugConfigError
+    from vllm_specplug.sources import suffix_cache
 
+    if name == "suffix_tree" and not suffix_cache.available():
+        return ("suffix_tree drafts from arctic-inference's suffix trees, not "
+                "installed (scripts/setup.sh builds it from source)")
     fields = registry.get(name).config_cls.model_fields
     try:
         registry.build_config(name, {k: v for k, v in opts.items() if k in fields})

@@ -58,8 +58,9 @@ leaving the sizes it has seen.
 
 Drafting itself costs time (a head's forward passes, a retrieval), paid
 before the cut. The controller also measures the proposer's time per step,
-drafting and not drafting, and closes a *gate* when the best cut of the
-last drafted step would not have paid for the drafting on top of its rows:
+drafting and not drafting, and closes a *gate* when the best cuts of the
+last drafted steps (a moving average of the seconds each saved, drafting
+paid) would not have paid for the drafting on top of their rows:
 the runner then asks the method for no draft (every request's budget 0;
 methods still extend their state). A closed gate lets one request (round
 robin) draft in an exploring step after 2, 4, ... up to ``max_skip`` steps,
