@@ -515,9 +515,10 @@ class DraftGate:
         # exploring step that opens the gate brings it back
         return self.draft_seconds * (requests / n if n else 1.0) + (self.side_seconds or 0.0)
 
-    def judge(self, pays: bool, step_seconds: float = 0.0,
+    def judge(self, pays: bool = False, step_seconds: float = 0.0,
               whole_batch: bool = False, surplus: float | None = None) -> None:
         """After a drafted step: did its best cut pay for the drafting?
+        ``pays``: the step's verdict alone, read only without ``surplus``;
         ``step_seconds``: a plain step's time (bounds exploring's share);
         ``whole_batch``: every decoding request drafted (an exploring step
         at batch 1 is the batch's drafting); ``surplus``: seconds the step's
@@ -776,14 +777,14 @@ class BudgetController:
             # would this step's best cut have paid for the drafting as well?
             best_gain = rows + cal * sum(-c[0] for c in cand[:best_k])
             drafted = sum(1 for t in trees if t is not None and len(t))
-            with_draft = best_gain / (self.cost(rows + best_k)
-                                      + self.gate.draft_cost(drafted))
             # seconds saved: plain decoding's time for the expected tokens
-            # minus this step's time, drafting included
+            # minus this step's time, drafting included (> 0 exactly when
+            # the cut is not empty and its rate with the drafting beats
+            # plain decoding's)
             surplus = (best_gain / plain - self.cost(rows + best_k)
                        - self.gate.draft_cost(drafted))
-            self.gate.judge(best_k > 0 and with_draft > plain, self.cost(rows),
-                            whole_batch=drafted >= rows, surplus=surplus)
+            self.gate.judge(step_seconds=self.cost(rows), whole_batch=drafted >= rows,
+                            surplus=surplus)
         out: list[DraftTree | None] = []
         sizes, expected = [], []
         for j, (rid, tree) in enumerate(zip(req_ids, trees)):

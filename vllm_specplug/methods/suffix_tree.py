@@ -15,13 +15,10 @@ Model-free: no forward pass of its own, nothing captured from the target.
 
 from __future__ import annotations
 
-import time
-
 from pydantic import Field
 
 from vllm_specplug.config import MethodConfig, SpecplugConfigError
 from vllm_specplug.engine.interface import Proposer, ProposerContext, ProposerStats, StepRequest
-from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.sources import suffix_cache
 from vllm_specplug.sources.suffix_cache import SuffixCache
@@ -62,7 +59,6 @@ class SuffixTreeProposer(Proposer):
     def __init__(self, config: SuffixTreeConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
         self.cache = SuffixCache(config.max_tree_depth, config.max_cached_requests)
-        self._time = RunningStat()
 
     def add_request(self, req_id: str) -> None:
         # a request the runner saw leave is fed again from its prompt
@@ -73,7 +69,6 @@ class SuffixTreeProposer(Proposer):
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         cfg: SuffixTreeConfig = self.config
-        t = time.perf_counter()
         out: list[DraftTree | None] = []
         for req in batch:
             if not req.sampled:  # a prompt chunk: the prompt is fed once it is whole
@@ -85,10 +80,9 @@ class SuffixTreeProposer(Proposer):
                 req.req_id, req.token_ids, req.budget, tree=cfg.tree and not req.chain_only,
                 max_spec_factor=cfg.max_spec_factor, max_spec_offset=cfg.max_spec_offset,
                 min_token_prob=cfg.min_token_prob))
-        self._time.add(time.perf_counter() - t)
         return out
 
     def stats(self) -> ProposerStats:
+        # the proposer's time is the runner's (``propose_seconds``)
         return ProposerStats(gauges={"live_requests": self.cache.active,
-                                     "cached_responses": self.cache.cached,
-                                     "propose": self._time.as_ms()})
+                                     "cached_responses": self.cache.cached})
