@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import engine, greedy, onednn_order_unknown_here
 from tests.methods.test_pld_engine import _prompts
+from vllm_specplug.sources import suffix_cache
 
 pytestmark = pytest.mark.engine
 
@@ -64,6 +65,19 @@ def test_pld_tree_compiled(ref_model, baseline):
     # these prompts, and this test is about verifying trees compiled
     spec = {"method": "pld", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
             "prompt_lookup_min": 2, "tree_branches": 3, "cost_aware": False}
+    with engine(ref_model, spec, compiled=True) as llm:
+        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
+        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
+
+
+@pytest.mark.skipif(not suffix_cache.available(), reason="arctic-inference is not installed")
+def test_suffix_tree_compiled(ref_model, baseline):
+    prompts, ref, _ = baseline
+    # pinned and permissive, as in its eager test: trees verified compiled
+    spec = {"method": "suffix_tree", "num_speculative_tokens": 12, "cost_aware": False,
+            "max_spec_factor": 4.0, "min_token_prob": 0.02}
     with engine(ref_model, spec, compiled=True) as llm:
         assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
         assert greedy(llm, prompts, MAX_TOKENS) == ref
