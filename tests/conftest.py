@@ -50,15 +50,17 @@ def shutdown(llm) -> None:
 
 
 def onednn_order_unknown_here() -> bool:
-    """True on a CPU with AVX-512: oneDNN's float32 summation order, which
-    the CPU linear kernel (kernels/cpu_linear.py) must match bit for bit,
-    was established without it (the AVX2 EPYC, sessions 21-22); with it (a
-    Xeon with AMX, session 25) oneDNN takes other kernels, the reference
-    model's shapes are refused and vLLM's own path runs (safe:
+    """True where oneDNN's float32 summation order, which the CPU linear
+    kernel (kernels/cpu_linear.py) must match bit for bit, has not been
+    established: known on x86 without AVX-512 (the AVX2 EPYC, sessions
+    21-22) and on an Intel Xeon with AVX-512/AMX (blocks of 512, or 1024
+    by row count: session 30); not on an AMD CPU with AVX-512. There the
+    shapes may be refused and vLLM's own path runs (safe:
     test_routed_layers_keep_onednn_bits)."""
     from benchmarks.machine import cpu_info
 
-    return "avx512f" in cpu_info()[1]
+    model, flags = cpu_info()[:2]
+    return "avx512f" in flags and "intel" not in (model or "").lower()
 
 
 def run_isolated(func, *args):

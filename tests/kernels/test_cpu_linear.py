@@ -90,31 +90,57 @@ def _onednn_order_known() -> None:
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("oneDNN's order is only known for x86")
     if onednn_order_unknown_here():
-        pytest.skip("oneDNN's order with AVX-512 is not the kernel's (shapes refused)")
+        pytest.skip("oneDNN's order on this CPU is not one the kernel knows (shapes refused)")
 
 
 def test_the_reference_models_small_shapes_route_on_x86():
-    """On x86 oneDNN sums K = 576 in order: those layers (3/4 of the
-    reference model's weights with its LM head) take the kernel. If this
-    fails on some CPU, the kernel is merely unused there, never wrong."""
+    """On x86 oneDNN sums K = 576 in blocks the check finds: those layers
+    (3/4 of the reference model's weights with its LM head) take the
+    kernel. If this fails on some CPU, the kernel is merely unused there,
+    never wrong."""
     _onednn_order_known()
     layer = _vllm_linear(576, 960)
     assert cpu_linear.route(layer, layer.weight)
 
 
 def test_the_down_projection_routes_with_onednns_blocks_on_x86():
-    """oneDNN sums K = 1536 as two blocks (k < 1024, k >= 1024): the check
-    finds that order, so the reference model's down projections route too;
-    and the plain one-chain order is indeed not oneDNN's there (else the
-    block search would prove nothing)."""
+    """oneDNN sums K = 1536 in blocks (AVX2: k < 1024 and k >= 1024 at every
+    row count; AVX-512: blocks of 512 at one row, of 1024 at more): the
+    check finds that order per row count, so the reference model's down
+    projections route too; and the plain one-chain order is indeed not
+    oneDNN's there (else the block search would prove nothing)."""
     _onednn_order_known()
     layer = _vllm_linear(1536, 576, seed=5)
     assert cpu_linear.route(layer, layer.weight)
-    assert cpu_linear._checked[(1536, 576)] == 1024
+    blocks = cpu_linear._checked[(1536, 576)]
+    assert len(blocks) == cpu_linear.MAX_ROWS and set(blocks[1:]) == {1024}
+    assert blocks[0] in (512, 1024)
     x = torch.randn(4, 1536)
     packed = cpu_linear.pack(layer.weight)
     assert not torch.equal(cpu_linear.matmul(x, packed, 576, 0),
                            layer.cpu_linear(x, layer.weight, None))
+
+
+def test_one_block_for_every_row_count_is_not_always_onednns():
+    """Where oneDNN's block changes with the rows (AVX-512, K = 1536: 512 at
+    one row, 1024 at more), the kernel with either block alone differs from
+    oneDNN at some row count: the per-row-count search is needed, and
+    finds an order the single-block search could not."""
+    _onednn_order_known()
+    layer = _vllm_linear(1536, 576, seed=6)
+    assert cpu_linear.route(layer, layer.weight)
+    blocks = cpu_linear._checked[(1536, 576)]
+    if len(set(blocks)) == 1:
+        pytest.skip("oneDNN keeps one block at every row count on this CPU")
+    packed = cpu_linear.pack(layer.weight)
+    g = torch.Generator().manual_seed(11)
+    for block in set(blocks):
+        differs = False
+        for m in (1, 2, 8):
+            x = torch.randn(m, 1536, generator=g)
+            differs |= not torch.equal(cpu_linear.matmul(x, packed, 576, block),
+                                       layer.cpu_linear(x, layer.weight, None))
+        assert differs, block
 
 
 def test_more_rows_than_the_kernel_takes_are_refused():

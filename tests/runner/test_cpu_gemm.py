@@ -37,7 +37,8 @@ def test_only_a_specplug_load_routes_to_the_linear_kernel(monkeypatch):
         # The order check refuses every shape here (oneDNN's order with
         # AVX-512 is unknown; tests/kernels covers that refusal). This test
         # is about *where* routing happens, so the check is told to pass.
-        monkeypatch.setattr(cpu_linear, "sum_block", lambda *args: 0)
+        monkeypatch.setattr(cpu_linear, "sum_blocks",
+                            lambda *args: (0,) * cpu_linear.MAX_ROWS)
         # and forgets refusals cached by earlier tests in this process
         monkeypatch.setattr(cpu_linear, "_checked", {})
 

@@ -32,6 +32,9 @@ constexpr int NP = W * NV;       // columns per panel
 constexpr int64_t KC = 128;      // k per chunk: NP x KC floats stay in L1
 constexpr int64_t PF = 64;       // k ahead to prefetch: the panel streams in while
                                  // the FMAs run (~5-10 % at 9-17 rows on AVX2)
+constexpr int LINE = 16;         // floats in a cache line: AVX-512's 32-column panel row
+                                 // spans two, and prefetching only the first left the
+                                 // kernel slower than oneDNN at 3-8 rows (session 30)
 constexpr int MAX_M = 64;        // rows one call may take (cpu_linear.py sends <= 24)
 typedef float vf __attribute__((vector_size(W * 4)));
 
@@ -65,7 +68,8 @@ void rows(const float* x, int64_t K, const float* wp, int64_t k0, int64_t k1, Io
   for (int64_t k = k0; k < k1; ++k) {
     vf w[NV];
     for (int v = 0; v < NV; ++v) w[v] = load(wp + k * NP + v * W);
-    if (prefetch) __builtin_prefetch(wp + (k + PF) * NP, 0, 3);
+    if (prefetch)  // every cache line of the panel's row k + PF (2 with AVX-512)
+      for (int l = 0; l < NP; l += LINE) __builtin_prefetch(wp + (k + PF) * NP + l, 0, 3);
     for (int r = 0; r < R; ++r) {
       const vf a = vf{} + x[r * K + k];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * w[v];  // one FMA (-ffp-contract=fast)

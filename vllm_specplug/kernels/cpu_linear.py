@@ -10,14 +10,16 @@ alone. ``cpu_linear.cpp`` reads each weight panel from memory once for all
 rows (up to ``MAX_ROWS``) and keeps the FMA units busy.
 
 Why it stays lossless: vLLM's oneDNN computes each output as FMA chains over
-blocks of up to 1024 k in order, each block from zero, the blocks' sums
-added in order -- whatever the number of rows (that is what keeps float32
-tree verification token-identical) -- and so does the kernel. That is
-checked, not assumed: before a layer shape is routed, every row count
-1..``MAX_ROWS`` is run through both on random inputs and must match bit for
-bit, for one of the block sizes in ``SUM_BLOCKS``; a shape that matches none
-stays on oneDNN, as does every call with more rows (prefill, large
-batches), layers with a bias and other dtypes. The op is a torch op, so the
+blocks of k in order (1024 with AVX2; 512, or 1024 for some shapes at more
+than one row, with AVX-512), each block from zero, the blocks' sums added in
+order -- and a row's bits do not depend on the other rows of its call (that
+is what keeps float32 tree verification token-identical) -- and so does the
+kernel. That is checked, not assumed: before a layer shape is routed, every
+row count 1..``MAX_ROWS`` is run through both on random inputs and must
+match bit for bit, with one of the block sizes in ``SUM_BLOCKS`` (found per
+row count); a shape where some row count matches none stays on oneDNN, as
+does every call with more rows (prefill, large batches), layers with a bias
+and other dtypes. The op is a torch op, so the
 compiled graph calls it like ``onednn_mm``; the routing is part of the
 compile cache's key.
 
@@ -49,12 +51,17 @@ ENV_SWITCH = "SPECPLUG_CPU_LINEAR"
 MAX_ROWS = 24
 """Calls with more rows go to oneDNN (which wins once it is compute-bound);
 the load-time check covers every row count up to this."""
-SUM_BLOCKS = (0, 1024)
-"""The k-block sizes tried, in order, for a shape's load-time check (0: one
-chain over all of K). oneDNN's brgemm on x86 sums K in blocks of 1024 (found
-on the reference model's K = 1536 down projection: chains over k < 1024 and
-k >= 1024 added; likewise at K = 1025, 1152, 2048, 2560, 3072 and 4096); a
-block of at least K is one chain, so for K <= 1024 only 0 is tried."""
+SUM_BLOCKS = (0, 512, 1024)
+"""The k-block sizes tried, in order, for each row count of a shape's
+load-time check (0: one chain over all of K). oneDNN's brgemm on x86 sums K
+in blocks, each one FMA chain, the blocks' sums added in order; the block
+depends on the CPU and on the call's shape, rows included. AVX2 (the EPYC,
+sessions 21-22): 1024 at every row count (K = 1536: chains over k < 1024
+and k >= 1024 added; likewise at K = 1025, 1152, 2048, 2560, 3072 and
+4096). AVX-512 (a Xeon with AMX, session 30): 512 at every row count for
+K = 576, and for K = 1536 512 at one row but 1024 at 2-24 rows -- so the
+block is found per row count. A block of at least K is one chain, so for
+K <= 512 only 0 is tried."""
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -65,7 +72,7 @@ _error: str | None = None
 @dataclass
 class _Layer:
     packed: torch.Tensor  # [N / panel][K][panel]
-    block: int  # k per summed block (SUM_BLOCKS), as oneDNN sums this shape
+    blocks: tuple[int, ...]  # k per summed block (SUM_BLOCKS) for 1..MAX_ROWS rows, as oneDNN sums
     fallback: Callable  # vLLM's own cpu_linear for this layer
     weight: torch.Tensor  # what vLLM passes its cpu_linear (may be empty)
 
@@ -76,7 +83,8 @@ class _Layer:
 # layer is garbage-collected (tests start many engines in one process).
 _layers: dict[int, _Layer] = {}
 _next = itertools.count()
-_checked: dict[tuple[int, int], Optional[int]] = {}  # (K, N) -> block equal to oneDNN, or None
+# (K, N) -> blocks equal to oneDNN per row count, or None (refused)
+_checked: dict[tuple[int, int], Optional[tuple[int, ...]]] = {}
 
 
 def enabled() -> bool:
@@ -156,7 +164,7 @@ def _forward(x: torch.Tensor, handle: torch.Tensor, n: int,
     layer = _layers[int(handle)]
     if 0 < x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32 \
             and bias is None:
-        return matmul(x, layer.packed, n, layer.block)
+        return matmul(x, layer.packed, n, layer.blocks[x.shape[0] - 1])
     return layer.fallback(x, layer.weight, bias)
 
 
@@ -186,35 +194,41 @@ class _Handle:
 # Random inputs per row count the order check tries. One was not enough: on
 # a Xeon with AVX-512/AMX (session 25) K = 1536 passed with one input per
 # row count and then differed from oneDNN in the last bit at one row on
-# other inputs (tests/kernels/test_cpu_linear.py caught it); oneDNN's order
-# there is not one of SUM_BLOCKS, and more trials refuse it.
+# other inputs (tests/kernels/test_cpu_linear.py caught it): oneDNN sums
+# that shape in blocks of 512 at one row and 1024 at more (session 30), and
+# a block tried for every row count at once matched neither.
 ORDER_TRIALS = 4
 
 
-def _equal_at_every_row_count(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor,
-                              n: int, k: int, block: int) -> bool:
-    g = torch.Generator().manual_seed(1234)
+def _equal_at(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor,
+              n: int, k: int, m: int, block: int) -> bool:
+    g = torch.Generator().manual_seed(1234 + m)
     for trial in range(ORDER_TRIALS):
-        for m in range(1, MAX_ROWS + 1):
-            x = torch.randn(m, k, generator=g) * (1.0 + trial)
-            x[0] *= torch.logspace(-6, 6, k)
-            if not torch.equal(fallback(x, weight, None), matmul(x, packed, n, block)):
-                return False
+        x = torch.randn(m, k, generator=g) * (1.0 + trial)
+        x[0] *= torch.logspace(-6, 6, k)
+        if not torch.equal(fallback(x, weight, None), matmul(x, packed, n, block)):
+            return False
     return True
 
 
-def sum_block(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor, n: int,
-              k: int) -> Optional[int]:
-    """The block size of ``SUM_BLOCKS`` with which the kernel gives
-    ``fallback``'s bits for every row count up to ``MAX_ROWS`` (``ORDER_TRIALS``
-    random inputs each, including a row of large and tiny magnitudes), or None. Checked
-    once per shape: the order of oneDNN's sums depends on the shape, not on
-    the weights' values."""
+def sum_blocks(fallback: Callable, weight: torch.Tensor, packed: torch.Tensor, n: int,
+               k: int) -> Optional[tuple[int, ...]]:
+    """For each row count 1..``MAX_ROWS``, the first block size of
+    ``SUM_BLOCKS`` with which the kernel gives ``fallback``'s bits
+    (``ORDER_TRIALS`` random inputs, including a row of large and tiny
+    magnitudes); None when some row count matches none (the shape stays on
+    oneDNN). Checked once per shape: the order of oneDNN's sums depends on
+    the shape and the rows, not on the weights' values."""
     if (k, n) not in _checked:
-        _checked[(k, n)] = next(
-            (block for block in SUM_BLOCKS
-             if not 0 < k <= block  # a block covering K is one chain: 0, tried first
-             and _equal_at_every_row_count(fallback, weight, packed, n, k, block)), None)
+        found: list[int] = []
+        for m in range(1, MAX_ROWS + 1):
+            block = next((b for b in SUM_BLOCKS
+                          if not 0 < k <= b  # a block covering K is one chain: 0, tried first
+                          and _equal_at(fallback, weight, packed, n, k, m, b)), None)
+            if block is None:
+                break
+            found.append(block)
+        _checked[(k, n)] = tuple(found) if len(found) == MAX_ROWS else None
     return _checked[(k, n)]
 
 
@@ -232,11 +246,11 @@ def route(layer: torch.nn.Module, weight: torch.Tensor) -> bool:
         return False
     packed = pack(weight)
     fallback = layer.cpu_linear
-    block = sum_block(fallback, layer.weight, packed, n, k)
-    if block is None:
+    blocks = sum_blocks(fallback, layer.weight, packed, n, k)
+    if blocks is None:
         return False
     handle = next(_next)
-    _layers[handle] = _Layer(packed, block, fallback, layer.weight)
+    _layers[handle] = _Layer(packed, blocks, fallback, layer.weight)
     weakref.finalize(layer, _layers.pop, handle, None)
     h = _Handle(handle)
     layer.cpu_linear = lambda x, w, bias: torch.ops.specplug.cpu_linear(x, h.tensor, n, bias)
