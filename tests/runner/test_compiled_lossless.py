@@ -53,8 +53,9 @@ def test_oracle_random_trees_compiled(ref_model, baseline):
     assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
     assert stats["tree_attention"] == "native"  # the CPU kernel, not the ATen fallback
     # and the target's linear layers on the small-row kernel (kernels/cpu_linear.py):
-    # the identity above covers it, compiled. Not with AVX-512: there every
-    # shape is refused and vLLM's own path runs (tests/conftest.py)
+    # the identity above covers it, compiled. Not where oneDNN's order is
+    # unknown (an AMD CPU with AVX-512): shapes may be refused there and
+    # vLLM's own path runs (tests/conftest.py)
     if not onednn_order_unknown_here():
         assert stats["cpu_linear_layers"] > 0
 
