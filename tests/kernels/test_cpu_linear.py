@@ -171,12 +171,37 @@ def test_refusals():
     assert not cpu_linear.route(bf16, bf16.weight)
 
 
+def _first_dispatch_done() -> None:
+    # The process's first vLLM dispatch imports lazily, and the import
+    # machinery keeps that call's frame (and so its layer) alive: run one
+    # before counting what the table keeps.
+    _vllm_linear(64, 64)
+    gc.collect()
+
+
 def test_entries_go_with_their_layer():
     """Tests and benchmarks start many engines in one process: a dropped
     layer's packed copy must go with it."""
-    gc.collect()
+    _first_dispatch_done()
     before = len(cpu_linear._layers)
     layer = _vllm_linear(576, 960)
+    if not cpu_linear.route(layer, layer.weight):
+        pytest.skip("shape refused on this CPU")
+    assert len(cpu_linear._layers) == before + 1
+    del layer
+    gc.collect()
+    assert len(cpu_linear._layers) == before
+
+
+def test_entries_go_with_a_layer_whose_weight_points_back_to_it():
+    """vLLM keeps the weight of its (tied) embedding / LM head, a Parameter
+    whose ``weight_loader`` is a bound method of the layer: the table must
+    not keep that Parameter, or the layer (and its packed copy, ~0.4 GB on
+    the reference model) outlives every engine -- a CI run OOMed on it."""
+    _first_dispatch_done()
+    before = len(cpu_linear._layers)
+    layer = _vllm_linear(576, 960)
+    layer.weight.weight_loader = layer.extra_repr  # a bound method, as vLLM sets
     if not cpu_linear.route(layer, layer.weight):
         pytest.skip("shape refused on this CPU")
     assert len(cpu_linear._layers) == before + 1

@@ -250,7 +250,12 @@ def route(layer: torch.nn.Module, weight: torch.Tensor) -> bool:
     if blocks is None:
         return False
     handle = next(_next)
-    _layers[handle] = _Layer(packed, blocks, fallback, layer.weight)
+    # detached: a weight vLLM keeps (the tied embedding / LM head) is a
+    # Parameter whose ``weight_loader`` is a bound method of the layer; kept
+    # as is, it held the layer alive from this global table, so the
+    # finalizer below never ran and every engine left its LM head's copies
+    # behind (~0.4 GB each on the reference model; the CI run OOMed)
+    _layers[handle] = _Layer(packed, blocks, fallback, layer.weight.detach())
     weakref.finalize(layer, _layers.pop, handle, None)
     h = _Handle(handle)
     layer.cpu_linear = lambda x, w, bias: torch.ops.specplug.cpu_linear(x, h.tensor, n, bias)
