@@ -59,7 +59,7 @@ def onednn_order_unknown_here() -> bool:
     test_routed_layers_keep_onednn_bits)."""
     from benchmarks.machine import cpu_info
 
-    model, flags = cpu_info()[:2]
+    model, flags = cpu_info()
     return "avx512f" in flags and "intel" not in (model or "").lower()
 
 

@@ -34,8 +34,8 @@ def test_only_a_specplug_load_routes_to_the_linear_kernel(monkeypatch):
     from vllm_specplug.runner.cpu_gemm import cpu_linear_routing
 
     if onednn_order_unknown_here():
-        # The order check refuses every shape here (oneDNN's order with
-        # AVX-512 is unknown; tests/kernels covers that refusal). This test
+        # The order check may refuse every shape here (oneDNN's order on an
+        # AMD CPU with AVX-512 is unknown; tests/kernels covers refusals). This test
         # is about *where* routing happens, so the check is told to pass.
         monkeypatch.setattr(cpu_linear, "sum_blocks",
                             lambda *args: (0,) * cpu_linear.MAX_ROWS)
