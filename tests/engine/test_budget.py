@@ -602,3 +602,21 @@ def test_sources_are_estimated_apart_and_shrunk_toward_the_pool():
     assert done and outcomes == [(1, 0, True, "m"), (2, 0, False, "m")]
     model.forget("a")
     assert "a" not in model.request_sources and "a" not in model.requests
+
+
+def test_exploring_asks_a_request_whose_catch_up_is_cheap():
+    from vllm_specplug.engine.budget import CHEAP_CATCH_UP, pick_explorer
+
+    # a model-free method (no held work): plain round robin from the turn
+    assert [pick_explorer(t, [0, 0, 0]) for t in range(4)] == [0, 1, 2, 0]
+    # requests that sample nothing this step (a prompt chunk) are skipped
+    assert [pick_explorer(t, [None, 0, None]) for t in range(3)] == [1, 1, 1]
+    assert pick_explorer(5, [None, None]) == -1 and pick_explorer(0, []) == -1
+    # a head holding prompts (~700 rows each): the fewest rows first ...
+    assert pick_explorer(0, [700, 450, 900]) == 1
+    # ... then the explored request, which holds only the steps since
+    held = [700 + 20, 12, 900 + 20]
+    assert [pick_explorer(t, held) for t in range(3)] == [1, 1, 1]
+    # among cheap requests (at most CHEAP_CATCH_UP rows) round robin again
+    cheap = [CHEAP_CATCH_UP, 1, 3000, 0]
+    assert [pick_explorer(t, cheap) for t in range(4)] == [0, 1, 3, 3]

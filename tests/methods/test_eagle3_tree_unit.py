@@ -126,6 +126,39 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     assert torch.allclose(c.v[:44], want.v[:44], atol=1e-5)
 
 
+def test_catch_up_rows_count_what_the_head_holds(ref_model):
+    """``catch_up_rows``: the rows a gated request holds plus this step's
+    (what its next draft would first feed the head); 0 + new once fed. The
+    default bound holds a 1200-token prompt of the reference model (16 MiB:
+    2427 rows of 3 x 576 floats), the old 1024 rows did not."""
+    embed = torch.randn(49152, 576) * 0.05
+    ctx = _ctx(ref_model, 49152, 576, embed)
+    g = torch.Generator().manual_seed(3)
+    toks = np.arange(100, 1400, dtype=np.int64)
+    aux = torch.randn(1250, 3 * 576, generator=g)
+    prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
+    assert prop.max_held_rows == (16 << 20) // (3 * 576 * 4) == 2427
+    assert Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2, max_held_rows=5),
+                              ctx).max_held_rows == 5
+    big = _ctx(ref_model, 49152, 4096)  # a wide target: at least 1024 rows
+    assert max(1024, (16 << 20) // (3 * big.hidden_size * 4)) == 1024
+
+    def step(pos, n, budget, sampled=True, drafting=True):
+        r = StepRequest(req_id="a", token_ids=toks[:pos + n + 1], num_prompt_tokens=1200,
+                        sampled=sampled, verified_pos=pos, aux_hidden=aux[pos:pos + n],
+                        budget=budget, drafting=drafting)
+        return prop.propose([r])[0]
+
+    assert prop.catch_up_rows("a", 7) == 7  # nothing held yet
+    step(0, 1200, 0, drafting=False)  # a closed gate: the whole prompt held
+    assert "a" not in prop.runtime.states or prop.runtime.states["a"].n == 0
+    assert prop.catch_up_rows("a", 1) == 1201
+    step(1200, 1, 0)
+    assert prop.catch_up_rows("a", 1) == 1202
+    assert step(1201, 1, 8) is not None  # a draft: all fed first
+    assert prop.runtime.states["a"].n == 1202 and prop.catch_up_rows("a", 1) == 1
+
+
 def test_head_stops_deepening_where_a_level_is_worth_less_than_its_pass(ref_model):
     """``StepRequest.token_seconds``: with a token worth far less than a
     level's measured time the head drafts one level only; unknown (0) or

@@ -228,6 +228,15 @@ class Proposer:
         nodes each (the runner cuts a bigger one)."""
         raise NotImplementedError
 
+    def catch_up_rows(self, req_id: str, new_rows: int) -> int:
+        """Rows of held work (e.g. a head's rows held while the cost-aware
+        gate was closed) the method would process before it can draft for
+        ``req_id`` this step, this step's ``new_rows`` included; 0 (the
+        default) when a draft costs the same for every request. The runner
+        picks a closed gate's exploring request by it
+        (``engine/budget.pick_explorer``)."""
+        return 0
+
     def stats(self) -> ProposerStats:
         """The method's own counters and gauges (none by default)."""
         return ProposerStats()

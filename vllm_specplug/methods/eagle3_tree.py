@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from vllm_specplug.eagle3.runtime import DepthHook
 
 
+HELD_BYTES = 16 << 20
+"""Memory a gated request's held rows may take by default (``max_held_rows``)."""
+
+
 class Eagle3TreeConfig(MethodConfig):
     head: str | None = None
     """EAGLE-3 head folder (``config.json`` + ``model.safetensors``, as
@@ -52,12 +56,15 @@ class Eagle3TreeConfig(MethodConfig):
     template: str = "default"
     """Static mode's shape: a preset of ``sources/template.py`` or nodes per
     level, e.g. ``"8,6,4,3,2"``; ranks below ``topk``."""
-    max_held_rows: int = Field(default=1024, ge=0)
+    max_held_rows: int | None = Field(default=None, ge=0)
     """Verified rows a request asked for no draft (the cost-aware gate
     closed) holds before feeding them to the head anyway, in one batched
     pass: bounds the memory a long gated request holds (``3 * hidden``
-    floats a row: 7 KiB for the reference model, 48 KiB for a 4096-wide
-    target) and the catch-up its next draft pays. 0 feeds every step."""
+    floats a row: 6.75 KiB for the reference model, 48 KiB for a 4096-wide
+    target) and the catch-up its next draft pays. 0 feeds every step.
+    None: as many rows as ``HELD_BYTES`` (16 MiB) hold, at least 1024
+    (2427 for the reference model, whose summarization prompts of up to
+    ~1200 tokens were fed whole at 1024 while the gate stayed closed)."""
     prefix_store_tokens: int = Field(default=1 << 16, ge=0)
     """Head K/V positions kept (LRU, by token prefix) for prompt blocks vLLM
     serves from its prefix cache; a request whose cached prefix is not in the
@@ -125,6 +132,9 @@ class Eagle3TreeProposer(Proposer):
         # Verified rows a request has not fed the head yet, as (first
         # position, [aux chunks], rows): see extend().
         self._deferred: dict[str, tuple[int, list[torch.Tensor], int]] = {}
+        row_bytes = len(self.aux_layers) * ctx.hidden_size * 4  # float32 features
+        self.max_held_rows = (config.max_held_rows if config.max_held_rows is not None
+                              else max(1024, HELD_BYTES // row_bytes))
 
     def needs(self) -> Needs:
         return Needs(aux_layers=self.aux_layers)
@@ -172,7 +182,7 @@ class Eagle3TreeProposer(Proposer):
             # (a gap: the held rows are dropped; the runtime fills gaps from
             # its prefix store or stops drafting for the request)
             no_draft = r.budget <= 0 if r.sampled else not r.drafting
-            if no_draft and n_rows <= self.config.max_held_rows:
+            if no_draft and n_rows <= self.max_held_rows:
                 # No draft asked this step (the cost-aware gate, or the
                 # context's end), or a prompt chunk while the gate is closed:
                 # hold the rows and feed them, in one batched pass, when a
@@ -192,6 +202,11 @@ class Eagle3TreeProposer(Proposer):
             items.append((r.req_id, pos, r.token_ids, aux))
         self.runtime.extend(items)
         self._extend_time.add(time.perf_counter() - t0)
+
+    def catch_up_rows(self, req_id: str, new_rows: int) -> int:
+        """The rows the head holds for the request plus this step's: what it
+        processes before the request's next draft."""
+        return self._deferred.get(req_id, (0, [], 0))[2] + new_rows
 
     def draft(self, batch: list[StepRequest], budgets: list[int],
               hook: DepthHook | None = None) -> list[DraftTree | None]:

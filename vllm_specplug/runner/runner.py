@@ -36,7 +36,7 @@ from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY, GRAPH_KEY
-from vllm_specplug.engine.budget import BudgetController
+from vllm_specplug.engine.budget import BudgetController, pick_explorer
 from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_budget
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
@@ -800,11 +800,6 @@ class SpecplugRunnerMixin:
         if (self._sp_budget is not None and self._sp_budget.cost.known and n_dec
                 and self.parallel_config.tensor_parallel_size == 1):
             token_s = self._sp_budget.cost(n_dec) / n_dec
-        # a closed gate's exploring step asks one request (round robin)
-        explore = -1
-        if drafting and self._sp_budget is not None and self._sp_budget.exploring:
-            self._sp_explore_turn += 1
-            explore = self._sp_explore_turn % max(1, len(self.input_batch.req_ids))
         side_work = self._sp_budget.side_work if self._sp_budget is not None else True
         plan = []
         for i, rid in enumerate(self.input_batch.req_ids):
@@ -819,6 +814,10 @@ class SpecplugRunnerMixin:
             else:
                 rel, first = list(range(n_sched)), int(qsl[i])
             plan.append((n_sched, c, n_prompt, is_decode, rel, first))
+        # a closed gate's exploring step asks one request for a draft
+        explore = -1
+        if drafting and self._sp_budget is not None and self._sp_budget.exploring:
+            explore = self._sp_pick_explorer(plan, sampled_token_ids)
         step_rows = self._sp_gather(hidden_states, aux_hidden_states,
                                     [first + np.asarray(rel, dtype=np.int64)
                                      for *_, rel, first in plan])
@@ -975,6 +974,23 @@ class SpecplugRunnerMixin:
         prop = self._sp_proposer
         return (self._sp_budget is not None and prop is not None
                 and prop.config.closed_batch_values)
+
+    def _sp_pick_explorer(self, plan, sampled_token_ids) -> int:
+        """The request a closed gate's exploring step asks for a draft:
+        round robin, cheap catch-up first (engine/budget.pick_explorer)."""
+        self._sp_explore_turn += 1
+        ids = self.input_batch.req_ids
+        try:
+            rows = [self._sp_proposer.catch_up_rows(rid, len(p[4]))  # this step's rows
+                    if len(sampled_token_ids[i]) > 0 else None
+                    for i, (rid, p) in enumerate(zip(ids, plan))]
+        except Exception:  # noqa: BLE001 - a method bug must not stop serving
+            if not getattr(self, "_sp_catch_up_failed", False):  # say so once
+                logger.exception("specplug: catch_up_rows failed; exploring round robin")
+                self._sp_catch_up_failed = True
+            rows = [0] * len(ids)
+        pick = pick_explorer(self._sp_explore_turn, rows)
+        return pick if pick >= 0 else -2  # none samples: nobody drafts (-1 is everybody)
 
     def _sp_remaining(self, batch) -> list[int] | None:
         """Tokens each request of the step may still generate (``max_tokens``,
