@@ -12,7 +12,11 @@ from tests.methods.budget import propose
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.registry import resolve as split_speculative_config
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
-from vllm_specplug.methods.eagle3_tree import Eagle3TreeConfig, Eagle3TreeProposer
+from vllm_specplug.methods.eagle3_tree import (
+    Eagle3TreeConfig,
+    Eagle3TreeProposer,
+    default_held_rows,
+)
 
 
 def _ctx(model: str, vocab: int, hidden: int, embed=None, n: int = 16) -> ProposerContext:
@@ -20,6 +24,20 @@ def _ctx(model: str, vocab: int, hidden: int, embed=None, n: int = 16) -> Propos
                            max_model_len=1024, device=torch.device("cpu"),
                            dtype=torch.float32, model_path=model, tokenizer_path=model,
                            embed_tokens=embed)
+
+
+def _ref_ctx(ref_model: str) -> ProposerContext:
+    """The reference model's shape, with random input embeddings."""
+    return _ctx(ref_model, 49152, 576, torch.randn(49152, 576) * 0.05)
+
+
+def _step(prop, toks, aux, n_prompt: int, pos: int, n: int, budget: int,
+          sampled: bool = True, drafting: bool = True):
+    """One step of request "a": rows ``pos .. pos+n-1`` verified."""
+    r = StepRequest(req_id="a", token_ids=toks[:pos + n + 1], num_prompt_tokens=n_prompt,
+                    sampled=sampled, verified_pos=pos, aux_hidden=aux[pos:pos + n],
+                    budget=budget, drafting=drafting)
+    return prop.propose([r])[0]
 
 
 def test_unknown_target_needs_a_head(tiny_model):
@@ -42,8 +60,7 @@ def test_proposer_feeds_every_request_and_respects_budgets(ref_model):
     one near max_model_len gets a smaller tree, an unsampled chunk none."""
     from vllm_specplug.eagle3 import shipped_head_path
 
-    embed = torch.randn(49152, 576) * 0.05
-    ctx = _ctx(ref_model, 49152, 576, embed)
+    ctx = _ref_ctx(ref_model)
     ctx.max_model_len = 70
     prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=4, topk=4), ctx)
     assert prop.needs().aux_layers == (2, 15, 27)
@@ -69,19 +86,15 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     costs no head pass; its rows are fed, in order, with the next step that
     asks for a draft, and the head's state then equals a state fed every
     step (same K/V rows, same tree)."""
-    embed = torch.randn(49152, 576) * 0.05
-    ctx = _ctx(ref_model, 49152, 576, embed)
+    ctx = _ref_ctx(ref_model)
     g = torch.Generator().manual_seed(1)
     toks = np.arange(200, 260, dtype=np.int64)
     aux = torch.randn(59, 3 * 576, generator=g)
     held = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
     every = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
 
-    def step(prop, pos, n, budget, sampled=True, drafting=True):
-        r = StepRequest(req_id="a", token_ids=toks[:pos + n + 1], num_prompt_tokens=40,
-                        sampled=sampled, verified_pos=pos, aux_hidden=aux[pos:pos + n],
-                        budget=budget, drafting=drafting)
-        return prop.propose([r])[0]
+    def step(prop, *args, **kw):
+        return _step(prop, toks, aux, 40, *args, **kw)
 
     for prop, budgets in ((held, [0, 0, 0, 8]), (every, [8, 8, 8, 8])):
         step(prop, 0, 40, 0, sampled=False)  # the prompt, gate open: fed
@@ -131,23 +144,18 @@ def test_catch_up_rows_count_what_the_head_holds(ref_model):
     (what its next draft would first feed the head); 0 + new once fed. The
     default bound holds a 1200-token prompt of the reference model (16 MiB:
     2427 rows of 3 x 576 floats), the old 1024 rows did not."""
-    embed = torch.randn(49152, 576) * 0.05
-    ctx = _ctx(ref_model, 49152, 576, embed)
+    ctx = _ref_ctx(ref_model)
     g = torch.Generator().manual_seed(3)
     toks = np.arange(100, 1400, dtype=np.int64)
     aux = torch.randn(1250, 3 * 576, generator=g)
     prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2), ctx)
-    assert prop.max_held_rows == (16 << 20) // (3 * 576 * 4) == 2427
+    assert prop.max_held_rows == 2427  # 16 MiB of 3 x 576 float32 features
     assert Eagle3TreeProposer(Eagle3TreeConfig(depth=3, topk=2, max_held_rows=5),
                               ctx).max_held_rows == 5
-    big = _ctx(ref_model, 49152, 4096)  # a wide target: at least 1024 rows
-    assert max(1024, (16 << 20) // (3 * big.hidden_size * 4)) == 1024
+    assert default_held_rows(3, 4096) == 1024  # a wide target: at least 1024 rows
 
-    def step(pos, n, budget, sampled=True, drafting=True):
-        r = StepRequest(req_id="a", token_ids=toks[:pos + n + 1], num_prompt_tokens=1200,
-                        sampled=sampled, verified_pos=pos, aux_hidden=aux[pos:pos + n],
-                        budget=budget, drafting=drafting)
-        return prop.propose([r])[0]
+    def step(*args, **kw):
+        return _step(prop, toks, aux, 1200, *args, **kw)
 
     assert prop.catch_up_rows("a", 7) == 7  # nothing held yet
     step(0, 1200, 0, drafting=False)  # a closed gate: the whole prompt held
@@ -163,8 +171,7 @@ def test_head_stops_deepening_where_a_level_is_worth_less_than_its_pass(ref_mode
     """``StepRequest.token_seconds``: with a token worth far less than a
     level's measured time the head drafts one level only; unknown (0) or
     worth a lot, it drafts as deep as before."""
-    embed = torch.randn(49152, 576) * 0.05
-    ctx = _ctx(ref_model, 49152, 576, embed)
+    ctx = _ref_ctx(ref_model)
     g = torch.Generator().manual_seed(2)
     toks = np.arange(300, 341, dtype=np.int64)
     aux = torch.randn(40, 3 * 576, generator=g)

@@ -38,6 +38,12 @@ HELD_BYTES = 16 << 20
 """Memory a gated request's held rows may take by default (``max_held_rows``)."""
 
 
+def default_held_rows(n_aux: int, hidden_size: int) -> int:
+    """``max_held_rows`` when None: the float32 rows of ``n_aux`` target
+    features that ``HELD_BYTES`` hold, at least 1024."""
+    return max(1024, HELD_BYTES // (n_aux * hidden_size * 4))
+
+
 class Eagle3TreeConfig(MethodConfig):
     head: str | None = None
     """EAGLE-3 head folder (``config.json`` + ``model.safetensors``, as
@@ -132,9 +138,8 @@ class Eagle3TreeProposer(Proposer):
         # Verified rows a request has not fed the head yet, as (first
         # position, [aux chunks], rows): see extend().
         self._deferred: dict[str, tuple[int, list[torch.Tensor], int]] = {}
-        row_bytes = len(self.aux_layers) * ctx.hidden_size * 4  # float32 features
         self.max_held_rows = (config.max_held_rows if config.max_held_rows is not None
-                              else max(1024, HELD_BYTES // row_bytes))
+                              else default_held_rows(len(self.aux_layers), ctx.hidden_size))
 
     def needs(self) -> Needs:
         return Needs(aux_layers=self.aux_layers)

@@ -301,6 +301,7 @@ class SpecplugRunnerMixin:
         self._sp_budget: BudgetController | None = None
         self._sp_step_t0: float | None = None
         self._sp_explore_turn = 0
+        self._sp_catch_up_failed = False  # a method's catch_up_rows raised (logged once)
         self._sp_side_seconds = 0.0  # this step's prompt LM-head pass (see _sp_fill_topk)
         # Steps seen, the last one that finished a request, the last one
         # where a new request took a finished one's place while others ran
@@ -979,16 +980,16 @@ class SpecplugRunnerMixin:
         """The request a closed gate's exploring step asks for a draft:
         round robin, cheap catch-up first (engine/budget.pick_explorer)."""
         self._sp_explore_turn += 1
-        ids = self.input_batch.req_ids
+        can = [len(s) > 0 for s in sampled_token_ids[:len(plan)]]  # only these can draft
         try:
-            rows = [self._sp_proposer.catch_up_rows(rid, len(p[4]))  # this step's rows
-                    if len(sampled_token_ids[i]) > 0 else None
-                    for i, (rid, p) in enumerate(zip(ids, plan))]
+            # p[4]: the rows this step brings (plan's ``rel``)
+            rows = [self._sp_proposer.catch_up_rows(rid, len(p[4])) if ok else None
+                    for rid, p, ok in zip(self.input_batch.req_ids, plan, can)]
         except Exception:  # noqa: BLE001 - a method bug must not stop serving
-            if not getattr(self, "_sp_catch_up_failed", False):  # say so once
+            if not self._sp_catch_up_failed:  # say so once
                 logger.exception("specplug: catch_up_rows failed; exploring round robin")
                 self._sp_catch_up_failed = True
-            rows = [0] * len(ids)
+            rows = [0 if ok else None for ok in can]
         pick = pick_explorer(self._sp_explore_turn, rows)
         return pick if pick >= 0 else -2  # none samples: nobody drafts (-1 is everybody)
 
