@@ -620,33 +620,3 @@ def test_exploring_asks_a_request_whose_catch_up_is_cheap():
     # among cheap requests (at most CHEAP_CATCH_UP rows) round robin again
     cheap = [CHEAP_CATCH_UP, 1, 3000, 0]
     assert [pick_explorer(t, cheap) for t in range(4)] == [0, 1, 3, 3]
-
-
-def test_each_batch_size_has_its_own_gate():
-    # A row is dear at 8 rows (48 -> 60 ms) and cheap at 1 (30 -> 32 ms):
-    # a one-node tree accepted half the time loses at batch 8 (8.5 tokens
-    # / 60 ms < 8 / 48 ms) and pays at batch 1 (1.5 / 32 ms > 1 / 30 ms).
-    # A closed batch's tail runs at 1-2 rows; one gate for both averaged a
-    # losing batch-8 drafting with a paying tail (HumanEval, batch 8).
-    model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
-    model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, 0.5 * 1e6
-    cost = StepCost()
-    for rows, ms in ((1, 30), (2, 32), (8, 48), (9, 60)):
-        cost.observe(rows, ms / 1e3)
-    ctl = BudgetController(model, cost)
-    ids = list("abcdefgh")
-    ctl.set_batch(8)
-    ctl.observe_propose(0.001, drafted=False)
-    assert ctl.draft_now() and ctl.exploring  # a cold gate explores first
-    ctl.observe_propose(0.004, drafted=True, requests=1)
-    _, choice = ctl.choose(ids, [DraftTree([5], [-1])] + [None] * 7, [3] * 8, rows=8)
-    assert choice.sizes == [0] * 8 and not ctl.gate.open
-    assert not ctl.draft_now()  # batch 8 skips its next steps
-    ctl.set_batch(1)  # the tail: its own gate, cold
-    assert ctl.draft_now()
-    _, choice = ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
-    assert choice.sizes == [1] and ctl.gate.open
-    assert all(ctl.draft_now() for _ in range(5))  # stays open at batch 1
-    ctl.set_batch(7)  # 5-8 requests: the batch-8 gate, still closed
-    assert not ctl.gate.open
-    assert set(ctl.as_dict()["gates"]) == {"<=1", "<=8"}

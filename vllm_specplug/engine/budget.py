@@ -623,27 +623,20 @@ class BudgetController:
     """Chooses each step's tree size per request (see the module docstring)."""
 
     def __init__(self, acceptance: AcceptanceModel | None = None,
-                 cost: StepCost | None = None, max_pending: int = 16) -> None:
+                 cost: StepCost | None = None, max_pending: int = 16,
+                 gate: DraftGate | None = None) -> None:
         self.max_pending = max_pending
         self._cal_decay = 0.5 ** (1.0 / 200)
         self.stats = BudgetStats()
-        self._start(acceptance, cost)
+        self._start(acceptance, cost, gate)
 
     def _start(self, acceptance: AcceptanceModel | None = None,
-               cost: StepCost | None = None) -> None:
+               cost: StepCost | None = None, gate: DraftGate | None = None) -> None:
         """Everything the controller learns, fresh (start-up and
         ``reset_learning``)."""
         self.acceptance = acceptance or AcceptanceModel()
         self.cost = cost or StepCost()
-        # One gate per batch-size class (1, 2, 3-4, 5-8, ...): whether
-        # drafting pays depends on how many requests share the step. Seen
-        # at batch 8 on HumanEval: drafting lost at 8 rows (a tree's rows
-        # cost more than the tokens it saved, a head's drafting 12 ms on a
-        # 49 ms step) and paid in the batch's tail at 1-2 rows; one gate
-        # averaged the two and stayed open, `recycle`/`respec` 0.86x plain
-        # decoding at tau 1.24. A class's gate starts cold (exploring).
-        self._gates: dict[int, DraftGate] = {}
-        self._gate_class = 0
+        self.gate = gate or DraftGate()
         self._pending: dict[str, list[tuple[int, DraftTree]]] = {}
         self._expected: dict[str, float] = {}  # the model's, uncalibrated
         # Calibration: the acceptance model's expected accepted tokens of the
@@ -700,19 +693,6 @@ class BudgetController:
         warm-ups share the CPU, so the steps it measured were up to five
         times dearer than the suite's."""
         self._start()
-
-    @property
-    def gate(self) -> DraftGate:
-        """The gate of the current batch-size class (``set_batch``)."""
-        g = self._gates.get(self._gate_class)
-        if g is None:
-            g = self._gates[self._gate_class] = DraftGate()
-        return g
-
-    def set_batch(self, requests: int) -> None:
-        """The step's running requests: selects the gate (1, 2, 3-4, 5-8,
-        ...). Call before ``will_draft`` / ``draft_now`` in every step."""
-        self._gate_class = max(0, int(requests) - 1).bit_length()
 
     def forget(self, req_id: str) -> None:
         self._pending.pop(req_id, None)
@@ -879,10 +859,6 @@ class BudgetController:
         d["explore_ms"] = round(1e3 * (self.gate.explore_seconds or 0.0), 3)
         d["side_ms"] = round(1e3 * (self.gate.side_seconds or 0.0), 3)
         d["gate_proven"] = self.gate.proven  # drafting has paid at least once
-        # per batch-size class (the figures above: the last step's class)
-        d["gates"] = {f"<={1 << c}": {"open": g.open, "proven": g.proven,
-                                      "draft_ms": round(1e3 * g.draft_seconds, 3)}
-                      for c, g in sorted(self._gates.items())}
         d["calibration"] = round(self.calibration, 3)
         d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
         # per source: the first level's best-ranked estimate and its evidence

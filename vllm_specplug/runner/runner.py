@@ -578,8 +578,6 @@ class SpecplugRunnerMixin:
                 out = self._sp_sample_trees(logits, spec_decode_metadata, state)
         finally:
             state.attention = None
-        if self._sp_budget is not None:  # the gate of this batch size
-            self._sp_budget.set_batch(self.input_batch.num_reqs)
         if self._sp_budget is None or self._sp_budget.will_draft:
             # Top-k and entropies only serve drafts (a method's tables and
             # triggers learn from them): a step whose gate is closed drafts
@@ -793,8 +791,6 @@ class SpecplugRunnerMixin:
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         # the budget's gate: no draft at all this step when drafting has
         # stopped paying for its own time (engine/budget.DraftGate)
-        if self._sp_budget is not None:  # the gate of this batch size
-            self._sp_budget.set_batch(self.input_batch.num_reqs)
         drafting = self._sp_budget is None or self._sp_budget.draft_now()
         # What an accepted token saves (engine/interface.StepRequest.token_seconds),
         # from the step-cost curve (rank 0's times, so alike on every rank).
