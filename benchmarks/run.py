@@ -42,8 +42,8 @@ overhead is judged by. With ``--paired`` every method's engine runs with a
 plain-decoding engine up beside it, and the two are timed in turn, call by
 call (a second's pause between, for the other's OpenMP threads to go to
 sleep; who goes first alternates, ABBA); the method's ``speedup`` is the
-median of those side-by-side ratios. ``none`` still runs alone first (its outputs are the reference).
-About twice as long.
+median of those side-by-side ratios. ``none`` still runs alone first (its
+outputs are the reference). About twice as long.
 
 Decoding is greedy (temperature 0), ``seed=0``, EOS honoured unless
 ``--ignore-eos`` (``--quick`` turns it on). Every output is compared token by
