@@ -530,9 +530,10 @@ def run_pair(jobs: tuple[dict, dict], logs: tuple[Path, Path], timeout: float | 
             for k in range(timed_calls):
                 # ABBA: who goes first alternates, so an order effect (the
                 # second of a pair meeting what the first left behind)
-                # falls on both sides alike (session 32: a gated
-                # `eagle3_tree` 0.91x beside `none` on RAG at batch 8, timed
-                # always second, and level with it timed alone)
+                # falls on both sides alike. Suspected in session 32 (a
+                # gated `eagle3_tree` 0.91x beside `none` on RAG at batch 8,
+                # timed always second; level with it timed alone), not
+                # confirmed: alternating left it at 0.94x, within the noise
                 for w in ((0, 1) if k % 2 == 0 else (1, 0)):
                     _hold(started[1 - w][0], stop=True)
                     _hold(started[w][0], stop=False)
