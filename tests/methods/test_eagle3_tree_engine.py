@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, greedy, run_isolated
+from tests.conftest import engine, greedy, plain_greedy, run_isolated
 from tests.methods.sampling import check_sampling_keeps_distribution
 
 pytestmark = pytest.mark.engine
@@ -49,8 +49,7 @@ def _flush(llm) -> None:
 @pytest.fixture(scope="module")
 def baseline(ref_model):
     prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
-    with engine(ref_model, max_model_len=1024) as llm:
-        return prompts, greedy(llm, prompts, MAX_TOKENS)
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, greedy
+from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
 from tests.methods.test_eagle3_tree_engine import MAX_TOKENS, PREAMBLE, _prompts
 
@@ -23,8 +23,7 @@ SPEC = {"method": "graft", "num_speculative_tokens": 16, "depth": 5, "topk": 6,
 @pytest.fixture(scope="module")
 def baseline(ref_model):
     prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
-    with engine(ref_model, max_model_len=1024) as llm:
-        return prompts, greedy(llm, prompts, MAX_TOKENS)
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
 def test_lossless_batch_1_and_8_prefix_caching(ref_model, baseline):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, greedy
+from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.test_pld_engine import MAX_TOKENS, _prompts
 
 pytestmark = pytest.mark.engine
@@ -14,8 +14,7 @@ pytestmark = pytest.mark.engine
 @pytest.fixture(scope="module")
 def baseline(ref_model):
     prompts = _prompts(ref_model, 8)
-    with engine(ref_model, max_model_len=1024) as llm:
-        return prompts, greedy(llm, prompts, MAX_TOKENS)
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import pytest
 
-from tests.conftest import engine, greedy, run_isolated, spec_counters
+from tests.conftest import engine, greedy, plain_greedy, run_isolated, spec_counters
 
 pytestmark = pytest.mark.engine
 
@@ -38,8 +38,7 @@ def _prompts(model: str, n: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def baseline(ref_model):
     prompts = _prompts(ref_model, 8)
-    with engine(ref_model, max_model_len=1024) as llm:
-        return prompts, greedy(llm, prompts, MAX_TOKENS)
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("branches", [1, 3])

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.conftest import engine, greedy
+from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
 from tests.methods.test_eagle3_tree_engine import PREAMBLE, _prompts
 
@@ -41,8 +41,7 @@ def store(tmp_path_factory, ref_model):
 @pytest.fixture(scope="module")
 def baseline(ref_model):
     prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
-    with engine(ref_model, max_model_len=1024) as llm:
-        return prompts, greedy(llm, prompts, MAX_TOKENS)
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
 def test_lossless_batch_1_and_8_with_prefix_caching(ref_model, baseline, store):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, greedy
+from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
 
 pytestmark = pytest.mark.engine
@@ -43,8 +43,7 @@ def _prompts(model: str, n: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def baseline(ref_model):
     prompts = _prompts(ref_model, 3)[:8]
-    with engine(ref_model, max_model_len=1024) as llm:
-        return prompts, greedy(llm, prompts, MAX_TOKENS)
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
 def test_lossless_batch_1_and_8_prefix_caching(ref_model, baseline):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.conftest import engine, greedy
+from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
 from tests.methods.test_methods_engine import _flush
 from tests.methods.test_pld_engine import MAX_TOKENS, _prompts
@@ -28,8 +28,7 @@ SPEC = {"method": "suffix_tree", "num_speculative_tokens": 12, "cost_aware": Fal
 @pytest.fixture(scope="module")
 def baseline(ref_model):
     prompts = _prompts(ref_model, 8)
-    with engine(ref_model, max_model_len=1024) as llm:
-        return prompts, greedy(llm, prompts, MAX_TOKENS)
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
 def test_lossless_batch_1_and_8_and_frees_requests(ref_model, baseline):
