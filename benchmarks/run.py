@@ -42,8 +42,12 @@ overhead is judged by. With ``--paired`` every method's engine runs with a
 plain-decoding engine up beside it, and the two are timed in turn, call by
 call (a second's pause between, for the other's OpenMP threads to go to
 sleep; who goes first alternates, ABBA); the method's ``speedup`` is the
-median of those side-by-side ratios. ``none`` still runs alone first (its
-outputs are the reference). About twice as long.
+median of those side-by-side ratios. A call is ``--pair-chunk`` prompts
+(default the batch size: at batch 1 the engines alternate prompt by
+prompt, a few seconds each, where a whole suite's call is ~45 s and the
+machine moved by up to 12 % between two such calls); a suite's wall time
+is its calls' sum. ``none`` still runs alone first (its outputs are the
+reference). About twice as long.
 
 Decoding is greedy (temperature 0), ``seed=0``, EOS honoured unless
 ``--ignore-eos`` (``--quick`` turns it on). Every output is compared token by
@@ -142,9 +146,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "machine (default 1)")
     ap.add_argument("--paired", action="store_true",
                     help="time each method in turn with a plain-decoding engine kept up "
-                         "beside it, suite by suite (and repeat by repeat); its speedup is "
+                         "beside it, call by call (see --pair-chunk); its speedup is "
                          "the median of those side-by-side ratios. The machine's speed "
                          "drifts between minutes; this takes about twice as long")
+    ap.add_argument("--pair-chunk", type=int, default=None,
+                    help="with --paired: prompts per timed call, each call in turn with "
+                         "the other engine's same call (default: the batch size, so at "
+                         "batch 1 the engines alternate prompt by prompt; 0: a whole "
+                         "suite per call, as before session 36)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="context cap; longer prompts are dropped (default: the model's, "
                          "at most 8192; quick: 1024)")
@@ -190,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--batch: expected comma-separated integers, got {args.batch!r}")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         ap.error("--batch: sizes must be >= 1")
+    if args.pair_chunk is not None and (args.pair_chunk < 0 or not args.paired):
+        ap.error("--pair-chunk: a number of prompts >= 0 (0: a whole suite), with --paired")
     raw = args.method_options
     if raw.startswith("@"):
         raw = Path(raw[1:]).read_text(encoding="utf-8")
@@ -765,6 +776,7 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
             "batch_sizes": args.batch_sizes, "limit": args.limit, "quick": args.quick,
             "ignore_eos": args.ignore_eos, "temperature": 0.0, "seed": 0,
             "repeats": args.repeats, "paired": args.paired,
+            "pair_chunk": args.pair_chunk if args.paired else None,
             "batching": "max_num_seqs", "enforce_eager": args.eager,
             "compile_cache": compile_cache_dir(),
             "lossless_check": "strict" if (args.dtype == "float32" or args.strict) else "report",
@@ -820,7 +832,8 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
     t0 = time.perf_counter()
     job = {**job_base, "batch_size": batch, "spec": m["speculative_config"],
            "engine_options": m["options"] if m["kind"] == "baseline" else {},
-           "kind": m["kind"], "result_path": str(log_dir / f"{stem}.result.json")}
+           "kind": m["kind"], "result_path": str(log_dir / f"{stem}.result.json"),
+           "pair_chunk": None}  # an engine timed alone: a whole suite per call
     res = run_config(job, log_dir / f"{stem}.log", timeout, _log_event)
     res["load_average"] = [load0, _loadavg()]
     dt = time.perf_counter() - t0
@@ -849,7 +862,12 @@ def run_one_paired(tag: str, stem: str, m: dict, base: dict, batch: int, job_bas
                   "engine_options": x["options"] if x["kind"] == "baseline" else {},
                   "kind": x["kind"], "result_path": str(log_dir / f"{stem}{sfx}.result.json")}
                  for x, sfx in ((base, "_base"), (m, "")))
-    timed = len(suites) * max(1, job_base.get("repeats", 1))
+    chunk = job_base.get("pair_chunk")
+    chunk = batch if chunk is None else chunk  # 0: a whole suite per timed call
+    for j in jobs:
+        j["pair_chunk"] = chunk
+    timed = max(1, job_base.get("repeats", 1)) * sum(
+        max(1, -(-len(s.prompts) // chunk)) if chunk else 1 for s in suites)
     pair, res = run_pair(jobs, (log_dir / f"{stem}_base.log", log_dir / f"{stem}.log"),
                          timeout, _log_event, timed)
     res["load_average"] = [load0, _loadavg()]
@@ -1022,7 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
     job_base = {"model": model, "dtype": args.dtype, "max_model_len": run_len, "seed": 0,
                 "kv_cache_bytes": kv_bytes, "enforce_eager": args.eager, "max_tokens": args.max_tokens,
                 "ignore_eos": args.ignore_eos, "warmup_prompts": warmup,
-                "repeats": args.repeats,
+                "repeats": args.repeats, "pair_chunk": args.pair_chunk,
                 "suites": [{"name": s.name, "prompts": s.prompts} for s in suites]}
 
     results: dict[tuple[str, int], dict] = {}

@@ -103,9 +103,12 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
     each timed generate of one is next to the other's, first one then the
     other going first, never at once (checked
     on the workers' own wall-clock spans); the speedup is the median of the
-    side-by-side ratios (worked out here from the recorded wall times)."""
+    side-by-side ratios (worked out here from the recorded wall times).
+    ``--pair-chunk 1``: a suite's 2 prompts go in two timed calls each, so
+    2 repeats are 4 calls per engine, and a repeat's wall time is the sum of
+    its two calls."""
     proc, doc = _bench(tmp_path, "--method-options", '{"pld": {"cost_aware": false}}',
-                       "--repeats", "2", "--paired")
+                       "--repeats", "2", "--paired", "--pair-chunk", "1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report.validate(doc) == []
     assert doc["run"]["paired"] is True
@@ -127,8 +130,8 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
         spans += [(x[0], x[1], tag) for e in json.loads(path.read_text())["suites"]
                   for x in e["timed_spans"]]
     spans.sort()
-    # in turn, who goes first alternating (ABBA)
-    assert [t for _, _, t in spans] == ["base", "pld", "pld", "base"]
+    # in turn, call by call, who goes first alternating (ABBA)
+    assert [t for _, _, t in spans] == ["base", "pld", "pld", "base"] * 2
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never at once
 
 
