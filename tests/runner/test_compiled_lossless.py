@@ -50,7 +50,10 @@ def test_oracle_random_trees_compiled(ref_model, baseline):
             "max_depth": 6}
     with engine(ref_model, spec, compiled=True) as llm:
         assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
-        assert greedy(llm, prompts, MAX_TOKENS) == ref
+        # 4 requests at once, not 8 (default suite's 30 min): 8-node trees
+        # for 4 requests are still 36 rows from several requests' contexts
+        # in one compiled pass; pld's test below runs all 8
+        assert greedy(llm, prompts[:4], MAX_TOKENS) == ref[:4]
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["tree_drafts"] > 0 and stats["kv_moves"] > 0
     assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
@@ -76,6 +79,12 @@ def test_pld_tree_compiled(ref_model, baseline):
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
 
 
+# `slow` (default suite's 30 min): what compilation can break is the
+# runner's side (tree attention, KV move, sampler around the compiled
+# model), which the oracle's random trees and pld's trees above cover;
+# suffix_tree only proposes other tokens, and is lossless eagerly in
+# tests/methods/test_suffix_tree_engine.py
+@pytest.mark.slow
 @pytest.mark.skipif(not suffix_cache.available(), reason="arctic-inference is not installed")
 def test_suffix_tree_compiled(ref_model, baseline):
     prompts, ref, _ = baseline
