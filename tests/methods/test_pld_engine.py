@@ -41,9 +41,10 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-# branches=3 (trees) behind `slow` for the default suite's 30 min: the same
-# pld trees on the same prompts, batch 1 and 8, are verified compiled (the
-# mode users run) by tests/runner/test_compiled_lossless.test_pld_tree_compiled
+# branches=3 (trees) behind `slow` for the default suite's 30 min: pld's
+# trees (tree_branches 3, pinned on) on the same prompts, batch 1 and 8, are
+# verified compiled (the mode users run) by
+# tests/runner/test_compiled_lossless.test_pld_tree_compiled
 @pytest.mark.parametrize("branches", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_pld_lossless_batch_1_and_8(ref_model, baseline, branches):
     prompts, ref = baseline

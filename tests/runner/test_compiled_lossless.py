@@ -1,6 +1,6 @@
 """Tree verification with the model compiled (vLLM's default, what users
 run): greedy output token-identical to plain decoding of the same compiled
-model, batch 1 and 8, reference model in float32.
+model, batch 1 and 4 (oracle) or 8 (pld), reference model in float32.
 
 The other engine tests run eagerly (fast starts); here the tree attention,
 the KV move and the sampler run around the torch.compile'd model. Each
