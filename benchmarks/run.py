@@ -86,6 +86,7 @@ import time
 from pathlib import Path
 
 from benchmarks import repetition, report, store_prompts, suites as suites_mod
+from benchmarks.worker import chunk_starts
 from vllm_specplug.corpus import chat_ids
 from benchmarks.machine import describe as describe_machine, machine_info
 
@@ -832,8 +833,7 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
     t0 = time.perf_counter()
     job = {**job_base, "batch_size": batch, "spec": m["speculative_config"],
            "engine_options": m["options"] if m["kind"] == "baseline" else {},
-           "kind": m["kind"], "result_path": str(log_dir / f"{stem}.result.json"),
-           "pair_chunk": None}  # an engine timed alone: a whole suite per call
+           "kind": m["kind"], "result_path": str(log_dir / f"{stem}.result.json")}
     res = run_config(job, log_dir / f"{stem}.log", timeout, _log_event)
     res["load_average"] = [load0, _loadavg()]
     dt = time.perf_counter() - t0
@@ -848,7 +848,7 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
 
 
 def run_one_paired(tag: str, stem: str, m: dict, base: dict, batch: int, job_base: dict,
-                   suites, machine, log_dir: Path, timeout) -> dict:
+                   suites, machine, log_dir: Path, timeout, pair_chunk: int | None = None) -> dict:
     """``run_one`` with plain decoding's engine up beside the method's and
     timed in turn with it (``--paired``): each suite entry of the result
     gets ``paired_baseline``, the baseline's wall times from that pairing."""
@@ -862,12 +862,11 @@ def run_one_paired(tag: str, stem: str, m: dict, base: dict, batch: int, job_bas
                   "engine_options": x["options"] if x["kind"] == "baseline" else {},
                   "kind": x["kind"], "result_path": str(log_dir / f"{stem}{sfx}.result.json")}
                  for x, sfx in ((base, "_base"), (m, "")))
-    chunk = job_base.get("pair_chunk")
-    chunk = batch if chunk is None else chunk  # 0: a whole suite per timed call
+    chunk = batch if pair_chunk is None else pair_chunk  # 0: a whole suite per call
     for j in jobs:
         j["pair_chunk"] = chunk
     timed = max(1, job_base.get("repeats", 1)) * sum(
-        max(1, -(-len(s.prompts) // chunk)) if chunk else 1 for s in suites)
+        len(chunk_starts(len(s.prompts), chunk)) for s in suites)
     pair, res = run_pair(jobs, (log_dir / f"{stem}_base.log", log_dir / f"{stem}.log"),
                          timeout, _log_event, timed)
     res["load_average"] = [load0, _loadavg()]
@@ -1040,7 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
     job_base = {"model": model, "dtype": args.dtype, "max_model_len": run_len, "seed": 0,
                 "kv_cache_bytes": kv_bytes, "enforce_eager": args.eager, "max_tokens": args.max_tokens,
                 "ignore_eos": args.ignore_eos, "warmup_prompts": warmup,
-                "repeats": args.repeats, "pair_chunk": args.pair_chunk,
+                "repeats": args.repeats,
                 "suites": [{"name": s.name, "prompts": s.prompts} for s in suites]}
 
     results: dict[tuple[str, int], dict] = {}
@@ -1053,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.paired and m["name"] != "none":
             base = next(x for x in methods if x["name"] == "none")
             res = run_one_paired(tag, stem, m, base, batch, job_base, suites, machine,
-                                 log_dir, args.timeout)
+                                 log_dir, args.timeout, args.pair_chunk)
         else:
             res = run_one(tag, stem, m, batch, job_base, suites, machine, log_dir,
                           args.timeout)

@@ -52,6 +52,13 @@ def _go(job: dict) -> None:
         raise RuntimeError("paired run: the harness stopped the pairing")
 
 
+def chunk_starts(n: int, chunk: int | None) -> range:
+    """Where each timed call of a suite of ``n`` prompts starts, ``chunk``
+    prompts a call (None or 0: the whole suite). One call even for an empty
+    suite: ``benchmarks.run`` counts the turns it gives a pair with this."""
+    return range(0, max(1, n), max(1, chunk or n))
+
+
 def _timed_generate(llm, prompts: list, params, job: dict, suite: str):
     """One timed ``generate`` of a suite's prompts: ``(outputs, wall seconds,
     [[start, end] wall-clock span of each timed call]``.
@@ -66,13 +73,13 @@ def _timed_generate(llm, prompts: list, params, job: dict, suite: str):
     at a larger batch a chunk of the batch size drains before the next one
     starts (no refill across chunks), alike for both engines. The suite's
     wall time is the chunks' sum."""
-    k = max(1, job.get("pair_chunk") or len(prompts))
+    calls = chunk_starts(len(prompts), job.get("pair_chunk"))
     outs, wall, spans = [], 0.0, []
-    for i in range(0, max(1, len(prompts)), k):  # one call even if empty, as counted
+    for i in calls:
         _go(job)
         t0 = time.time()
         t = time.perf_counter()
-        outs += llm.generate(prompts[i:i + k], params, use_tqdm=False)
+        outs += llm.generate(prompts[i:i + calls.step], params, use_tqdm=False)
         dt = time.perf_counter() - t
         wall += dt
         spans.append([t0, time.time()])
