@@ -352,3 +352,33 @@ def test_adjacency_cost_runs():
     out = adjacency_cost.main(["--vocab", "512", "--repeats", "5"])
     assert out["update_rows"] == 72 and out["update"]["median_ms"] > 0
     assert out["expand"]["p90_ms"] >= out["expand"]["median_ms"]
+
+
+def test_repeats_count_only_the_first_run_of_a_method_that_remembers_outputs():
+    # three timed calls of one suite beside plain decoding's three; the second
+    # and third twice as fast, as a method that drafts from its memory of the
+    # first run's answers would be
+    walls, base_walls = [2.0, 1.0, 1.0], [2.0, 2.0, 2.0]
+    entry = {"wall_seconds": 1.0, "wall_seconds_repeats": walls, "generated_tokens": 100,
+             "outputs": [[1, 2]], "specplug_stats": None,
+             "counters": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                          "accepted_tokens_per_pos": []},
+             "paired_baseline": {"wall_seconds_repeats": base_walls, "generated_tokens": 100}}
+    base = {"wall_seconds": 2.0, "generated_tokens": 100, "outputs": [[1, 2]]}
+
+    def record(name):
+        method = {"name": name, "kind": run.method_kind(name), "options": {}}
+        return run.build_record(method, "s", 8, {}, entry, base, None, 1, None, False)
+
+    assert [run.remembers_outputs(m) for m in ("none", "ngram", "suffix", "eagle3")] == \
+        [False, False, True, False]
+    remembers = {m for m in ("pld", "suffix_tree", "recycle", "adapld", "dresd", "eagle3_tree",
+                             "graft", "respec", "reader") if run.remembers_outputs(m)}
+    assert remembers == {"suffix_tree", "recycle", "graft"}
+    pld, st, sfx = record("pld"), record("suffix_tree"), record("suffix")
+    # the median of the pairs' ratios (1, 2, 2) for a method without memory
+    assert pld["speedup"] == 2.0 and pld["speedup_from"] is None and pld["wall_seconds"] == 1.0
+    for rec in (st, sfx):  # the first pair only
+        assert rec["speedup"] == 1.0 and rec["speedup_from"] == "first repeat"
+        assert rec["wall_seconds"] == 2.0 and rec["tokens_per_s"] == 50.0
+        assert rec["paired_speedup_repeats"] == [1.0] and rec["speedup_unpaired"] == 1.0

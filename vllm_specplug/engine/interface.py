@@ -209,6 +209,12 @@ class Proposer:
 
     name: ClassVar[str] = ""
     config_cls: ClassVar[type[MethodConfig]]
+    #: True when the method drafts from earlier requests' outputs (a global
+    #: suffix tree, a shared adjacency table): the same prompts asked again
+    #: are drafted from its memory of their answers, so a benchmark that
+    #: times a suite twice in one engine (``benchmarks.run --repeats``)
+    #: counts only the first time.
+    remembers_outputs: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, ctx: ProposerContext) -> None:
         self.config = config

@@ -164,6 +164,7 @@ class GraftConfig(Eagle3TreeConfig):
 
 class GraftProposer(Eagle3TreeProposer):
     name = "graft"
+    remembers_outputs = True  # the shared adjacency table learns from every verified node
     config_cls = GraftConfig
 
     def __init__(self, config: GraftConfig, ctx: ProposerContext) -> None:

@@ -137,6 +137,7 @@ class RecycleConfig(MethodConfig):
 
 class RecycleProposer(Proposer):
     name = "recycle"
+    remembers_outputs = True  # the shared adjacency table
     config_cls = RecycleConfig
 
     def __init__(self, config: RecycleConfig, ctx: ProposerContext) -> None:

@@ -54,6 +54,7 @@ class SuffixTreeConfig(MethodConfig):
 
 class SuffixTreeProposer(Proposer):
     name = "suffix_tree"
+    remembers_outputs = True  # the global response cache
     config_cls = SuffixTreeConfig
 
     def __init__(self, config: SuffixTreeConfig, ctx: ProposerContext) -> None:
