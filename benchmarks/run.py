@@ -147,9 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="time each suite's generate this many times in the same engine "
                          "and report the median wall time (outputs and counters are the "
                          "first run's; for a method that drafts from earlier outputs, "
-                         "e.g. suffix, only the first run counts); a short suite's one generate is a few seconds, "
-                         "and single timings vary by 10-20%% between runs on a shared "
-                         "machine (default 1)")
+                         "e.g. suffix, only the first run counts); a short suite's one "
+                         "generate is a few seconds, and single timings vary by 10-20%% "
+                         "between runs on a shared machine (default 1)")
     ap.add_argument("--paired", action="store_true",
                     help="time each method in turn with a plain-decoding engine kept up "
                          "beside it, call by call (see --pair-chunk); its speedup is "
