@@ -51,7 +51,12 @@ median of those side-by-side ratios. A call is ``--pair-chunk`` prompts
 prompt, a few seconds each, where a whole suite's call is ~45 s and the
 machine moved by up to 12 % between two such calls); a suite's wall time
 is its calls' sum. ``none`` still runs alone first (its outputs are the
-reference). About twice as long.
+reference). About twice as long; ``--pair-group K`` lets up to K methods
+share one plain-decoding engine, all up at once and each stopped while
+another is timed: one baseline run per K methods instead of per method
+(K + 1 engines' memory at once). A method that remembers earlier outputs
+is timed once per suite whatever ``--repeats`` (its repeats would not
+count), and sits out the others' repeated calls.
 
 Decoding is greedy (temperature 0), ``seed=0``, EOS honoured unless
 ``--ignore-eos`` (``--quick`` turns it on). Every output is compared token by
@@ -160,6 +165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the other engine's same call (default: the batch size, so at "
                          "batch 1 the engines alternate prompt by prompt; 0: a whole "
                          "suite per call, as before session 36)")
+    ap.add_argument("--pair-group", type=int, default=1,
+                    help="with --paired: up to this many methods share one plain-decoding "
+                         "engine, all up at once and timed in turn call by call (one "
+                         "baseline run per group instead of one per method: 3 cuts a "
+                         "batch-1 run by about a third). Each engine takes ~3.5-4 GiB "
+                         "with the reference model: mind the memory (default 1)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="context cap; longer prompts are dropped (default: the model's, "
                          "at most 8192; quick: 1024)")
@@ -205,6 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--batch: expected comma-separated integers, got {args.batch!r}")
     if not args.batch_sizes or min(args.batch_sizes) < 1:
         ap.error("--batch: sizes must be >= 1")
+    if args.pair_group < 1 or (args.pair_group > 1 and not args.paired):
+        ap.error("--pair-group: a number of methods >= 1, with --paired")
     if args.pair_chunk is not None and (args.pair_chunk < 0 or not args.paired):
         ap.error("--pair-chunk: a number of prompts >= 0 (0: a whole suite), with --paired")
     raw = args.method_options
@@ -423,7 +436,7 @@ def _start_worker(job: dict, log_path: Path, paired: bool = False):
     """Start one worker process. Returns ``(proc, job, progress_fd, go_fd)``:
     the worker's progress lines come on ``progress_fd``; with ``paired`` it
     waits for a byte on its end of ``go_fd`` before each timed generate, and
-    runs in a process group of its own (``run_pair`` stops the group while
+    runs in a process group of its own (``run_group`` stops the group while
     the other engine is timed)."""
     rfd, wfd = os.pipe()
     job = {**job, "progress_fd": wfd}
@@ -535,50 +548,80 @@ def _hold(proc, stop: bool) -> None:
         pass  # already gone: its result (or its error) says why
 
 
-def run_pair(jobs: tuple[dict, dict], logs: tuple[Path, Path], timeout: float | None,
-             on_event, timed_calls: int) -> tuple[dict, dict]:
-    """Two workers up at once (plain decoding and a method), timed in turn:
-    each timed ``generate`` of one (``timed_calls`` each: suites x repeats)
-    is next to the same of the other, so both meet the machine in the
-    same state (its speed drifts by 10-15 % between minutes on a shared
-    host, more than the differences measured); plain decoding goes first
-    in even calls, the method in odd ones. Returns both results."""
+def group_turns(suites, chunk: int | None, repeats: list[int]) -> list[list[int]]:
+    """The timed calls of engines run in turn (``--paired``), in the order
+    the workers make them (suite by suite; a suite's repeats; a repeat's
+    chunks): for each, the workers that time it, in the order they go.
+    Worker 0 is plain decoding; worker ``w`` times each suite
+    ``repeats[w]`` times (1 for a method that remembers earlier outputs:
+    its repeats would not count), so it sits out its suites' later
+    repeats. Who goes first alternates, forward on even calls and backward
+    on odd ones (ABBA for two engines), so an order effect falls alike on
+    all sides."""
+    turns: list[list[int]] = []
+    for s in suites:
+        calls = len(chunk_starts(len(s.prompts), chunk))
+        for r in range(max(repeats)):
+            for _ in range(calls):
+                who = [w for w, n in enumerate(repeats) if r < n]
+                turns.append(who if len(turns) % 2 == 0 else who[::-1])
+    return turns
+
+
+def run_group(jobs: list[dict], logs: list[Path], timeout: float | None,
+              on_events: list, turns: list[list[int]]) -> list[dict]:
+    """Workers up at once (plain decoding first, then one or more methods),
+    timed in turn (``turns``, see ``group_turns``): each timed ``generate``
+    of a method is next to plain decoding's same call, so both meet the
+    machine in the same state (its speed drifts by 10-15 % between minutes
+    on a shared host, more than the differences measured), and the engines
+    not timed are stopped (``_hold``). Several methods beside one plain
+    decoding (``--pair-group``) share its calls: one baseline run per group
+    instead of one per method. ``on_events[w]`` gets worker ``w``'s
+    progress lines (None: quiet). A method whose worker dies drops out; if
+    plain decoding's dies the pairing stops. Returns every worker's result."""
     deadline = None if timeout is None else time.monotonic() + timeout
     started = [_start_worker(j, p, paired=True) for j, p in zip(jobs, logs)]
     events = [_Events(rfd) for _, _, rfd, _ in started]
-    alive = [True, True]
+    alive = [True] * len(started)
 
     def wait_for(w: int, kind: str) -> bool:
         while (ev := events[w].next(deadline)) is not None:
-            if w == 1:  # the method's progress lines; the baseline's stay quiet
-                on_event(ev)
+            if on_events[w] is not None:
+                on_events[w](ev)
             if ev.get("event") == kind:
                 return True
         alive[w] = False
         return False
 
-    # both warmed up before either is timed (a warm-up would slow the other)
+    # all warmed up before any is timed (a warm-up would slow the others)
     try:
-        if wait_for(0, "warmed") and wait_for(1, "warmed"):
-            for k in range(timed_calls):
-                # ABBA: who goes first alternates, so an order effect (the
-                # second of a pair meeting what the first left behind)
-                # falls on both sides alike. Suspected in session 32 (a
-                # gated `eagle3_tree` 0.91x beside `none` on RAG at batch 8,
-                # timed always second; level with it timed alone), not
-                # confirmed: alternating left it at 0.94x, within the noise
-                for w in ((0, 1) if k % 2 == 0 else (1, 0)):
-                    _hold(started[1 - w][0], stop=True)
-                    _hold(started[w][0], stop=False)
-                    time.sleep(PAIR_PAUSE)
-                    try:
-                        os.write(started[w][3], b"g")
-                    except OSError:
-                        alive[w] = False
-                    if not alive[w] or not wait_for(w, "timed"):
-                        break
-                if not all(alive):
+        for w in range(len(started)):
+            wait_for(w, "warmed")
+        for turn in turns:
+            # ABBA within the turn list: an order effect (the second of a
+            # pair meeting what the first left behind) falls on all sides.
+            # Suspected in session 32 (a gated `eagle3_tree` 0.91x beside
+            # `none` on RAG at batch 8, timed always second; level with it
+            # timed alone), not confirmed: alternating left it at 0.94x
+            for w in turn:
+                if not alive[0]:
                     break
+                if not alive[w]:
+                    continue
+                for v, (proc, _, _, _) in enumerate(started):
+                    if v != w:
+                        _hold(proc, stop=True)
+                _hold(started[w][0], stop=False)
+                time.sleep(PAIR_PAUSE)
+                try:
+                    os.write(started[w][3], b"g")
+                except OSError:
+                    alive[w] = False
+                    continue
+                wait_for(w, "timed")
+            if not alive[0]:
+                break
     finally:
         for proc, _, _, _ in started:
             _hold(proc, stop=False)
@@ -587,14 +630,14 @@ def run_pair(jobs: tuple[dict, dict], logs: tuple[Path, Path], timeout: float | 
     timed_out = False
     for w, ev in enumerate(events):
         while (e := ev.next(deadline)) is not None:
-            if w == 1:  # the method's last suite line comes after its last "timed"
-                on_event(e)
+            if on_events[w] is not None:  # a method's last suite line comes after its last "timed"
+                on_events[w](e)
         if ev.timed_out:
             timed_out = True
             started[w][0].kill()
         ev.close()
-    return tuple(_worker_result(proc, job, log, timed_out, timeout)  # type: ignore[return-value]
-                 for (proc, job, _, _), log in zip(started, logs))
+    return [_worker_result(proc, job, log, timed_out, timeout)
+            for (proc, job, _, _), log in zip(started, logs)]
 
 
 # ---------------------------------------------------------------- records
@@ -628,16 +671,22 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
     # a method that remembers earlier outputs drafts a repeat from its memory
     # of the first run's answers (vLLM's suffix: 2.0x vs 0.9x paired on one
     # suite): only the first run counts for it (one call per pair)
-    first_only = bool(rec["wall_seconds_repeats"]) and remembers_outputs(method["name"])
-    if first_only:
+    remembers = remembers_outputs(method["name"])
+    first_only = bool(rec["wall_seconds_repeats"]) and remembers
+    if first_only:  # runs before session 39 timed its repeats too
         wall = rec["wall_seconds_repeats"][0]
-    rec["speedup_from"] = "first repeat" if first_only else None
+    paired = entry.get("paired_baseline")
+    # since session 39 its worker times it once (worker_repeats): against
+    # the first of the baseline's calls when paired, else its median
+    base_walls = ((paired or {}).get("wall_seconds_repeats")
+                  or (base_entry or {}).get("wall_seconds_repeats") or [])
+    timed_once = remembers and not rec["wall_seconds_repeats"] and len(base_walls) > 1
+    rec["speedup_from"] = "first repeat" if first_only or timed_once else None
     rec.update(generated_tokens=toks, wall_seconds=wall,
                tokens_per_s=toks / wall if wall > 0 else None, tau=report.tau(toks, 0))
     if base_entry is not None and rec["tokens_per_s"] and base_entry["wall_seconds"] > 0:
         base_tps = base_entry["generated_tokens"] / base_entry["wall_seconds"]
         rec["speedup"] = rec["tokens_per_s"] / base_tps if base_tps else None
-    paired = entry.get("paired_baseline")
     if paired and toks:
         # --paired: against the baseline timed in turn with this method, call
         # by call (the median of those ratios), not against the baseline's
@@ -807,6 +856,7 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
             "ignore_eos": args.ignore_eos, "temperature": 0.0, "seed": 0,
             "repeats": args.repeats, "paired": args.paired,
             "pair_chunk": args.pair_chunk if args.paired else None,
+            "pair_group": args.pair_group if args.paired else None,
             "batching": "max_num_seqs", "enforce_eager": args.eager,
             "compile_cache": compile_cache_dir(),
             "lossless_check": "strict" if (args.dtype == "float32" or args.strict) else "report",
@@ -831,10 +881,11 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
     }
 
 
-def _log_event(ev: dict) -> None:
-    """A worker's progress line."""
+def _log_event(ev: dict, who: str | None = None) -> None:
+    """A worker's progress line (``who``: the method's name, in a group)."""
+    pre = f"    [{who}] " if who else "    "
     if ev.get("event") == "ready":
-        _log(f"    engine up in {ev['init_seconds']:.1f} s "
+        _log(f"{pre}engine up in {ev['init_seconds']:.1f} s "
              f"({ev.get('engine_compile', '?')})")
     elif ev.get("event") == "suite":
         c, g = ev["counters"], ev["generated_tokens"]
@@ -842,7 +893,7 @@ def _log_event(ev: dict) -> None:
                f"accepted length {1 + c['accepted_tokens'] / c['drafts']:.2f} on "
                f"{report.draft_rate(c['drafts'], g, c['accepted_tokens']) or 0:.0%}"
                " of passes" if c["drafts"] else "")
-        _log(f"    {ev['suite']}: {ev['num_prompts']} prompts, "
+        _log(f"{pre}{ev['suite']}: {ev['num_prompts']} prompts, "
              f"{ev['generated_tokens']} tokens in {ev['wall_seconds']:.1f} s "
              f"({ev['generated_tokens'] / max(ev['wall_seconds'], 1e-9):.1f} tok/s)" + mal)
 
@@ -862,7 +913,8 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
     t0 = time.perf_counter()
     job = {**job_base, "batch_size": batch, "spec": m["speculative_config"],
            "engine_options": m["options"] if m["kind"] == "baseline" else {},
-           "kind": m["kind"], "result_path": str(log_dir / f"{stem}.result.json")}
+           "kind": m["kind"], "repeats": worker_repeats(m, job_base.get("repeats", 1)),
+           "result_path": str(log_dir / f"{stem}.result.json")}
     res = run_config(job, log_dir / f"{stem}.log", timeout, _log_event)
     res["load_average"] = [load0, _loadavg()]
     dt = time.perf_counter() - t0
@@ -876,43 +928,72 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
     return res
 
 
-def run_one_paired(tag: str, stem: str, m: dict, base: dict, batch: int, job_base: dict,
-                   suites, machine, log_dir: Path, timeout, pair_chunk: int | None = None) -> dict:
-    """``run_one`` with plain decoding's engine up beside the method's and
-    timed in turn with it (``--paired``): each suite entry of the result
-    gets ``paired_baseline``, the baseline's wall times from that pairing."""
-    if m["skip"]:
-        return run_one(tag, stem, m, batch, job_base, suites, machine, log_dir, timeout)
+def worker_repeats(m: dict, repeats: int) -> int:
+    """How many times ``m``'s worker times each suite: once for a method
+    that remembers earlier outputs (its repeats would not count, see
+    ``build_record``), ``repeats`` otherwise."""
+    return 1 if repeats > 1 and remembers_outputs(m["name"]) else repeats
+
+
+def run_one_group(tags: list[str], stems: list[str], ms: list[dict], base: dict, batch: int,
+                  job_base: dict, suites, log_dir: Path, timeout,
+                  pair_chunk: int | None = None) -> list[dict]:
+    """``run_one`` for one or more methods with plain decoding's engine up
+    beside them, all timed in turn (``--paired``, ``--pair-group``): each
+    suite entry of a method's result gets ``paired_baseline``, the
+    baseline's wall times from that group."""
     load0 = _loadavg()
-    _log(f"{tag}: starting, paired with plain decoding "
-         f"({sum(len(s.prompts) for s in suites)} prompts each)")
+    names = ", ".join(m["name"] for m in ms)
+    _log(f"{tags[0] if len(ms) == 1 else names + f' batch={batch}'}: starting, paired with "
+         f"plain decoding ({sum(len(s.prompts) for s in suites)} prompts each)")
     t0 = time.perf_counter()
-    jobs = tuple({**job_base, "batch_size": batch, "spec": x["speculative_config"],
-                  "engine_options": x["options"] if x["kind"] == "baseline" else {},
-                  "kind": x["kind"], "result_path": str(log_dir / f"{stem}{sfx}.result.json")}
-                 for x, sfx in ((base, "_base"), (m, "")))
     chunk = batch if pair_chunk is None else pair_chunk  # 0: a whole suite per call
-    for j in jobs:
-        j["pair_chunk"] = chunk
-    timed = max(1, job_base.get("repeats", 1)) * sum(
-        len(chunk_starts(len(s.prompts), chunk)) for s in suites)
-    pair, res = run_pair(jobs, (log_dir / f"{stem}_base.log", log_dir / f"{stem}.log"),
-                         timeout, _log_event, timed)
-    res["load_average"] = [load0, _loadavg()]
+    repeats = max(1, job_base.get("repeats", 1))
+    members = [(base, f"{stems[0]}_base")] + list(zip(ms, stems))
+    jobs = [{**job_base, "batch_size": batch, "spec": x["speculative_config"],
+             "engine_options": x["options"] if x["kind"] == "baseline" else {},
+             "kind": x["kind"], "pair_chunk": chunk, "repeats": worker_repeats(x, repeats),
+             "result_path": str(log_dir / f"{stem}.result.json")} for x, stem in members]
+    turns = group_turns(suites, chunk, [j["repeats"] for j in jobs])
+    quiet = len(ms) == 1  # one method: its lines as an unpaired run's
+    on_events = [None] + [_log_event if quiet else
+                          (lambda ev, who=m["name"]: _log_event(ev, who)) for m in ms]
+    pair, *results = run_group(jobs, [log_dir / f"{stem}.log" for _, stem in members],
+                               None if timeout is None else timeout * len(ms),
+                               on_events, turns)
     base_by_suite = {e["name"]: e for e in pair.get("suites", [])}
-    for e in res.get("suites", []):
-        b = base_by_suite.get(e["name"])
-        if b is not None:
-            e["paired_baseline"] = {
-                "wall_seconds_repeats": b.get("wall_seconds_repeats") or [b["wall_seconds"]],
-                "generated_tokens": b["generated_tokens"]}
     dt = time.perf_counter() - t0
-    if res["status"] == "ok":
-        _log(f"{tag}: ok in {dt:.1f} s" + ("" if pair["status"] == "ok" else
-                                          f" (its paired baseline: {pair['reason']})"))
-    else:
-        _log(f"{tag}: {res['status'].upper()} in {dt:.1f} s - {res['reason']}")
-    return res
+    for tag, res in zip(tags, results):
+        res["load_average"] = [load0, _loadavg()]
+        for e in res.get("suites", []):
+            b = base_by_suite.get(e["name"])
+            if b is not None:
+                e["paired_baseline"] = {
+                    "wall_seconds_repeats": b.get("wall_seconds_repeats") or [b["wall_seconds"]],
+                    "generated_tokens": b["generated_tokens"]}
+        if res["status"] == "ok":
+            _log(f"{tag}: ok in {dt:.1f} s" + ("" if pair["status"] == "ok" else
+                                              f" (its paired baseline: {pair['reason']})"))
+        else:
+            _log(f"{tag}: {res['status'].upper()} in {dt:.1f} s - {res['reason']}")
+    return results
+
+
+def plan_groups(configs: list[tuple[int, dict]], paired: bool, size: int) -> list[list[int]]:
+    """Which configurations (indices into ``configs``, (batch, method) pairs
+    in run order) start together: with ``--paired`` up to ``size``
+    consecutive methods of one batch size share one plain-decoding engine
+    (``--pair-group``); ``none`` itself and skipped methods run alone."""
+    groups: list[list[int]] = []
+    for i, (batch, m) in enumerate(configs):
+        alone = not paired or m["name"] == "none" or m["skip"]
+        last = groups[-1] if groups else None
+        if (not alone and last and len(last) < size and configs[last[0]][0] == batch
+                and configs[last[0]][1]["name"] != "none" and not configs[last[0]][1]["skip"]):
+            last.append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def add_ceilings(doc: dict, base: dict, suites, batch: int, store=None) -> None:
@@ -1075,21 +1156,25 @@ def main(argv: list[str] | None = None) -> int:
     configs = [(b, m) for b in args.batch_sizes for m in methods]
     lossy: list[str] = []
     failed: list[str] = []
-    for i, (batch, m) in enumerate(configs, 1):
-        tag = f"[{i}/{len(configs)}] {m['name']} ({m['kind']}) batch={batch}"
-        stem = f"{i:02d}_{m['name']}_b{batch}"
-        if args.paired and m["name"] != "none":
-            base = next(x for x in methods if x["name"] == "none")
-            res = run_one_paired(tag, stem, m, base, batch, job_base, suites, machine,
-                                 log_dir, args.timeout, args.pair_chunk)
+    base = next(x for x in methods if x["name"] == "none")
+    for group in plan_groups(configs, args.paired, args.pair_group):
+        tags = [f"[{i + 1}/{len(configs)}] {configs[i][1]['name']} ({configs[i][1]['kind']}) "
+                f"batch={configs[i][0]}" for i in group]
+        stems = [f"{i + 1:02d}_{configs[i][1]['name']}_b{configs[i][0]}" for i in group]
+        batch, m = configs[group[0]]
+        if args.paired and m["name"] != "none" and not m["skip"]:
+            outs = run_one_group(tags, stems, [configs[i][1] for i in group], base, batch,
+                                 job_base, suites, log_dir, args.timeout, args.pair_chunk)
         else:
-            res = run_one(tag, stem, m, batch, job_base, suites, machine, log_dir,
-                          args.timeout)
-        results[(m["name"], batch)] = res
-        if m["name"] == "none":
-            add_ceilings(doc, res, suites, batch, store)
-        add_records(doc, m, batch, res, results.get(("none", batch), {}), suites, args,
-                    corrupt_method, lossy, failed)
+            outs = [run_one(tags[0], stems[0], m, batch, job_base, suites, machine, log_dir,
+                            args.timeout)]
+        for i, res in zip(group, outs):
+            batch, m = configs[i]
+            results[(m["name"], batch)] = res
+            if m["name"] == "none":
+                add_ceilings(doc, res, suites, batch, store)
+            add_records(doc, m, batch, res, results.get(("none", batch), {}), suites, args,
+                        corrupt_method, lossy, failed)
         _write(doc, args.out)
     return finish(doc, args, t_start, lossy, failed)
 

@@ -135,6 +135,96 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never at once
 
 
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+def test_pair_group_times_several_methods_beside_one_baseline(tmp_path):
+    """``--pair-group 2``: `pld` and `suffix_tree` share one plain-decoding
+    engine, the three timed in turn, never at once. `suffix_tree` remembers
+    earlier outputs, so it is timed once per suite and sits out the second
+    repeat. Expected order worked out by hand: one suite of 2 prompts in
+    calls of 1 (--pair-chunk 1), 2 repeats; forward on even calls,
+    backward on odd ones."""
+    proc, doc = _bench(tmp_path, "--methods", "none,pld,suffix_tree",
+                       "--method-options",
+                       '{"pld": {"cost_aware": false}, "suffix_tree": {"cost_aware": false}}',
+                       "--repeats", "2", "--paired", "--pair-chunk", "1", "--pair-group", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report.validate(doc) == []
+    assert doc["run"]["pair_group"] == 2
+    pld, st = _record(doc, "pld"), _record(doc, "suffix_tree")
+    assert pld["identical"] is True and st["identical"] is True
+    # one baseline for both: the same wall times in both records
+    assert pld["paired_baseline_wall_seconds"] == st["paired_baseline_wall_seconds"]
+    base = pld["paired_baseline_wall_seconds"]
+    assert len(base) == 2 and len(pld["wall_seconds_repeats"]) == 2
+    assert st["wall_seconds_repeats"] is None and st["speedup_from"] == "first repeat"
+    assert st["speedup"] == pytest.approx(base[0] / st["wall_seconds"])
+    logs = tmp_path / "logs"
+    assert len(list(logs.glob("*_base.result.json"))) == 1
+    spans = []
+    for tag, pattern in (("base", "*_pld_b2_base.result.json"), ("pld", "*_pld_b2.result.json"),
+                         ("st", "*_suffix_tree_b2.result.json")):
+        spans += [(x[0], x[1], tag) for e in json.loads(next(logs.glob(pattern)).read_text())
+                  ["suites"] for x in e["timed_spans"]]
+    spans.sort()
+    assert [t for _, _, t in spans] == ["base", "pld", "st", "st", "pld", "base",
+                                        "base", "pld", "pld", "base"]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never at once
+
+
+def test_group_turns_and_plan_groups():
+    class S:  # a suite: only its prompt count matters
+        def __init__(self, n):
+            self.prompts = [[1]] * n
+
+    # two suites (3 prompts in calls of 2: 2 calls; 1 prompt: 1 call), 2
+    # repeats; worker 2 times once. Even calls forward, odd ones backward.
+    assert run.group_turns([S(3), S(1)], 2, [2, 2, 1]) == [
+        [0, 1, 2], [2, 1, 0],  # suite 1, repeat 1
+        [0, 1], [1, 0],        # suite 1, repeat 2
+        [0, 1, 2],             # suite 2, repeat 1
+        [1, 0]]                # suite 2, repeat 2
+    assert run.group_turns([S(2)], 0, [1, 1]) == [[0, 1]]  # 0: a whole suite per call
+
+    def m(name, skip=None):
+        return {"name": name, "skip": skip}
+
+    ms = [m("none"), m("a"), m("b"), m("c", skip="no head"), m("d"), m("e"), m("f")]
+    configs = [(b, x) for b in (1, 8) for x in ms]
+    # none and skipped methods alone; groups never cross a batch size
+    assert run.plan_groups(configs, True, 2) == [
+        [0], [1, 2], [3], [4, 5], [6], [7], [8, 9], [10], [11, 12], [13]]
+    assert run.plan_groups(configs, False, 2) == [[i] for i in range(14)]
+    assert run.plan_groups(configs, True, 1) == [[i] for i in range(14)]
+
+
+def test_a_method_that_remembers_outputs_is_timed_once():
+    suffix = {"name": "suffix", "kind": "vllm", "options": {}}
+    pld = {"name": "pld", "kind": "specplug", "options": {}}
+    assert run.worker_repeats(suffix, 3) == 1 and run.worker_repeats(pld, 3) == 3
+    assert run.worker_repeats(suffix, 1) == 1
+    # timed once beside a baseline timed three times: against its first call
+    entry = {"wall_seconds": 2.0, "wall_seconds_repeats": None, "generated_tokens": 100,
+             "outputs": [[1, 2]], "specplug_stats": None,
+             "counters": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                          "accepted_tokens_per_pos": []},
+             "paired_baseline": {"wall_seconds_repeats": [3.0, 1.0, 1.0],
+                                 "generated_tokens": 100}}
+    base = {"wall_seconds": 1.0, "wall_seconds_repeats": [3.0, 1.0, 1.0],
+            "generated_tokens": 100, "outputs": [[1, 2]]}
+    rec = run.build_record(suffix, "s", 8, {}, entry, base, None, 1, None, False)
+    assert rec["speedup"] == 1.5 and rec["speedup_from"] == "first repeat"
+    assert rec["paired_speedup_repeats"] == [1.5] and rec["speedup_unpaired"] == 0.5
+    # unpaired: against the baseline's median, still its only run counted
+    del entry["paired_baseline"]
+    rec = run.build_record(suffix, "s", 8, {}, entry, base, None, 1, None, False)
+    assert rec["speedup"] == 0.5 and rec["speedup_from"] == "first repeat"
+    # a run without repeats says nothing
+    rec = run.build_record(suffix, "s", 8, {}, entry, {**base, "wall_seconds_repeats": None},
+                           None, 1, None, False)
+    assert rec["speedup_from"] is None
+
+
 def _stopped(pid: int, want: bool) -> bool:
     """Whether ``pid`` reaches the wanted stopped state within 2 s (a signal
     is delivered asynchronously). /proc/<pid>/stat: "pid (comm) STATE ..."."""
