@@ -562,8 +562,8 @@ def group_turns(suites, chunk: int | None, repeats: list[int]) -> list[list[int]
     for s in suites:
         calls = len(chunk_starts(len(s.prompts), chunk))
         for r in range(max(repeats)):
+            who = [w for w, n in enumerate(repeats) if r < n]
             for _ in range(calls):
-                who = [w for w, n in enumerate(repeats) if r < n]
                 turns.append(who if len(turns) % 2 == 0 else who[::-1])
     return turns
 
@@ -979,6 +979,12 @@ def run_one_group(tags: list[str], stems: list[str], ms: list[dict], base: dict,
     return results
 
 
+def beside_baseline(m: dict, paired: bool) -> bool:
+    """Whether ``m`` runs with a plain-decoding engine up beside it
+    (``--paired``): not ``none`` itself, nor a method skipped here."""
+    return paired and m["name"] != "none" and not m["skip"]
+
+
 def plan_groups(configs: list[tuple[int, dict]], paired: bool, size: int) -> list[list[int]]:
     """Which configurations (indices into ``configs``, (batch, method) pairs
     in run order) start together: with ``--paired`` up to ``size``
@@ -986,10 +992,9 @@ def plan_groups(configs: list[tuple[int, dict]], paired: bool, size: int) -> lis
     (``--pair-group``); ``none`` itself and skipped methods run alone."""
     groups: list[list[int]] = []
     for i, (batch, m) in enumerate(configs):
-        alone = not paired or m["name"] == "none" or m["skip"]
         last = groups[-1] if groups else None
-        if (not alone and last and len(last) < size and configs[last[0]][0] == batch
-                and configs[last[0]][1]["name"] != "none" and not configs[last[0]][1]["skip"]):
+        if (last and len(last) < size and configs[last[0]][0] == batch
+                and beside_baseline(m, paired) and beside_baseline(configs[last[0]][1], paired)):
             last.append(i)
         else:
             groups.append([i])
@@ -1162,7 +1167,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"batch={configs[i][0]}" for i in group]
         stems = [f"{i + 1:02d}_{configs[i][1]['name']}_b{configs[i][0]}" for i in group]
         batch, m = configs[group[0]]
-        if args.paired and m["name"] != "none" and not m["skip"]:
+        if beside_baseline(m, args.paired):
             outs = run_one_group(tags, stems, [configs[i][1] for i in group], base, batch,
                                  job_base, suites, log_dir, args.timeout, args.pair_chunk)
         else:
