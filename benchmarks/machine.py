@@ -1,4 +1,4 @@
-"""What machine a benchmark ran on, for every benchmark's JSON.
+"""What machine and code a benchmark ran on, for every benchmark's JSON.
 
 CPU figures depend on the CPU model and its vector extensions far more than
 on anything else (bf16 without AVX512-BF16/AMX is emulated; vLLM's CPU
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # The flags that decide which kernels run (printed; the full list is recorded).
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -67,3 +70,15 @@ def describe(info: dict) -> str:
     isa = " ".join(info.get("isa") or []) or "unknown"
     return (f"machine: {info.get('processor')}, {info.get('cpus_available')} of "
             f"{info.get('cpu_count')} CPUs, {info.get('memory_gib', '?')} GiB; ISA: {isa}")
+
+
+def git_info() -> dict | None:
+    """The commit a result was measured on, and whether the tree had changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head or None, "dirty": bool(dirty)} if head else None

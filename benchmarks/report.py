@@ -1,4 +1,5 @@
-"""Outputs of the benchmark harness: schema validation, stdout table, plots."""
+"""Outputs of the benchmark harness: schema validation, tables, plots; without
+arguments, RESULTS.md and the docs' generated blocks (``benchmarks.results_md``)."""
 
 from __future__ import annotations
 
@@ -199,7 +200,7 @@ def ceiling_row(doc: dict, batch: int, suites: list[str], tail: str) -> list[str
 
 def tau_markdown(doc: dict, ref: str) -> str:
     """Tau only, each cell beside its ratio to method ``ref``'s tau on the
-    same suite and batch size (the comparison issue-style targets name), a
+    same suite and batch size (how a method is compared with its baseline), a
     last column with the mean over suites, then whether every output was
     identical to ``none``."""
     suites = list(dict.fromkeys(r["suite"] for r in doc["records"]))
@@ -240,20 +241,43 @@ def run_mode(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.report RESULTS.json [--markdown | --tau-vs METHOD]``: print a saved run."""
+    """Without arguments: write benchmarks/RESULTS.md and the generated blocks
+    of README.md and docs/ from the canonical result files. With a result
+    file: print it (a table, ``--markdown``, or ``--tau-vs METHOD``)."""
     import argparse
+    import inspect
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("results")
-    ap.add_argument("--markdown", action="store_true", help="tables for a README")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.report", description=inspect.cleandoc(main.__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", help="one benchmarks.run JSON to print")
+    ap.add_argument("--check", action="store_true",
+                    help="write nothing; exit 1 naming every generated file that is stale")
+    ap.add_argument("--markdown", action="store_true", help="print the run as Markdown tables")
     ap.add_argument("--tau-vs", metavar="METHOD", default=None,
                     help="Markdown table of tau only, with each cell's ratio to METHOD's")
     args = ap.parse_args(argv)
+    if args.results is None:
+        return _generate(check=args.check)
     doc = json.loads(Path(args.results).read_text(encoding="utf-8"))
     if args.tau_vs:
         print(tau_markdown(doc, args.tau_vs))
     else:
         print(markdown(doc) if args.markdown else table(doc))
+    return 0
+
+
+def _generate(check: bool) -> int:
+    from benchmarks import results_md
+
+    root = results_md.C.REPO_ROOT
+    if check:
+        stale = results_md.stale()
+        for path in stale:
+            print(f"stale: {path.relative_to(root)} (run: python -m benchmarks.report)")
+        return 1 if stale else 0
+    for path in results_md.write():
+        print(f"wrote {path.relative_to(root)}")
     return 0
 
 

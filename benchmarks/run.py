@@ -35,21 +35,19 @@ and the median counts (outputs, tau and counters are the first run's; a
 method that learns online -- the budget's estimates -- is warmer in the
 repeats than in the first). A method that drafts from earlier requests'
 outputs (a global suffix tree, an adjacency table: ``remembers_outputs``)
-would draft a repeat from its memory of the first run's answers (vLLM's
-`suffix` read 2.0x in repeats where its first run read 0.9x): for it only
-the first run counts (``speedup_from``).
+would draft a repeat from its memory of the first run's answers, a speedup
+no user would see: for it only the first run counts (``speedup_from``).
 
 Paired timing (``--paired``): the machine's speed drifts by 10-15 % between
-minutes on a shared host (six engines of the same plain decoding, one
-after another: 140-159 tok/s on one suite), more than the 3 % a method's
-overhead is judged by. With ``--paired`` every method's engine runs with a
+minutes on a shared host, more than the 3 % a method's overhead is judged
+by. With ``--paired`` every method's engine runs with a
 plain-decoding engine up beside it, and the two are timed in turn, call by
 call (a second's pause between, for the other's OpenMP threads to go to
 sleep; who goes first alternates, ABBA); the method's ``speedup`` is the
 median of those side-by-side ratios. A call is ``--pair-chunk`` prompts
 (default the batch size: at batch 1 the engines alternate prompt by
 prompt, a few seconds each, where a whole suite's call is ~45 s and the
-machine moved by up to 12 % between two such calls); a suite's wall time
+machine can move by 12 % between two such calls); a suite's wall time
 is its calls' sum. ``none`` still runs alone first (its outputs are the
 reference). About twice as long; ``--pair-group K`` lets up to K methods
 share one plain-decoding engine, all up at once and each stopped while
@@ -94,10 +92,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import repetition, report, store_prompts, suites as suites_mod
+from benchmarks import repetition, report, suites as suites_mod
 from benchmarks.worker import chunk_starts
 from vllm_specplug.corpus import chat_ids
-from benchmarks.machine import describe as describe_machine, machine_info
+from vllm_specplug.datastore import prompt_list
+from benchmarks.machine import describe as describe_machine, git_info, machine_info
 
 SCHEMA_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -164,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="with --paired: prompts per timed call, each call in turn with "
                          "the other engine's same call (default: the batch size, so at "
                          "batch 1 the engines alternate prompt by prompt; 0: a whole "
-                         "suite per call, as before session 36)")
+                         "suite per call)")
     ap.add_argument("--pair-group", type=int, default=1,
                     help="with --paired: up to this many methods share one plain-decoding "
                          "engine, all up at once and timed in turn call by call (one "
@@ -341,17 +340,6 @@ def compile_cache_dir() -> str:
     root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
     return os.path.join(os.path.expanduser(root), "torch_compile_cache")
-
-
-def git_info() -> dict | None:
-    try:
-        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {"commit": head or None, "dirty": bool(dirty)} if head else None
 
 
 def _model_config(model: str) -> dict:
@@ -538,9 +526,9 @@ PAIR_PAUSE = 1.0
 def _hold(proc, stop: bool) -> None:
     """Stop (SIGSTOP) or resume (SIGCONT) a paired worker's process group.
     An engine waiting for its turn is not idle enough: with both engines up,
-    each timed generate ran 10-25 % slower than the same engine alone, and
-    not alike for both (session 25, 2-core Xeon: a never-drafting specplug
-    engine 0.93-0.97x its plain partner, 1.00x when timed alone). A stopped
+    each timed generate runs 10-25 % slower than the same engine alone, and
+    not alike for both (on a 2-core machine a never-drafting specplug engine
+    read 0.93-0.97x its plain partner, 1.00x when timed alone). A stopped
     engine takes no CPU time at all."""
     try:
         os.killpg(proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
@@ -600,10 +588,7 @@ def run_group(jobs: list[dict], logs: list[Path], timeout: float | None,
             wait_for(w, "warmed")
         for turn in turns:
             # ABBA within the turn list: an order effect (the second of a
-            # pair meeting what the first left behind) falls on all sides.
-            # Suspected in session 32 (a gated `eagle3_tree` 0.91x beside
-            # `none` on RAG at batch 8, timed always second; level with it
-            # timed alone), not confirmed: alternating left it at 0.94x
+            # pair meeting what the first left behind) falls on all sides
             for w in turn:
                 if not alive[0]:
                     break
@@ -669,15 +654,14 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
     wall, toks = entry["wall_seconds"], entry["generated_tokens"]
     rec["wall_seconds_repeats"] = entry.get("wall_seconds_repeats")
     # a method that remembers earlier outputs drafts a repeat from its memory
-    # of the first run's answers (vLLM's suffix: 2.0x vs 0.9x paired on one
-    # suite): only the first run counts for it (one call per pair)
+    # of the first run's answers: only the first run counts for it
     remembers = remembers_outputs(method["name"])
     first_only = bool(rec["wall_seconds_repeats"]) and remembers
-    if first_only:  # runs before session 39 timed its repeats too
+    if first_only:  # older files timed its repeats too: the first counts
         wall = rec["wall_seconds_repeats"][0]
     paired = entry.get("paired_baseline")
-    # since session 39 its worker times it once (worker_repeats): against
-    # the first of the baseline's calls when paired, else its median
+    # its worker times it once (worker_repeats): against the first of the
+    # baseline's calls when paired, else against the baseline's median
     base_walls = ((paired or {}).get("wall_seconds_repeats")
                   or (base_entry or {}).get("wall_seconds_repeats") or [])
     timed_once = remembers and not rec["wall_seconds_repeats"] and len(base_walls) > 1
@@ -821,23 +805,23 @@ def plan_methods(args, model: str) -> list[dict]:
 
 def check_datastores(methods: list[dict], suites) -> None:
     """No method may be measured on prompts whose answers its datastore
-    holds (``benchmarks/store_prompts.py``)."""
+    holds (:mod:`vllm_specplug.datastore.prompt_list`)."""
     for m in methods:
         store = m["options"].get("datastore")
         if not isinstance(store, str) or not store or m["skip"]:
             continue
-        held = store_prompts.overlap(store, suites)
+        held = prompt_list.overlap(store, suites)
         if held is None:
             _log(f"WARNING: {m['name']}'s datastore {store} has no prompt list "
-                 f"({store_prompts.list_path(store)}): cannot check that it holds none of "
-                 "the measured prompts' answers (rebuild it with benchmarks.reader_store "
-                 "or benchmarks.dresd_store)")
+                 f"({prompt_list.list_path(store)}): cannot check that it holds none of "
+                 "the measured prompts' answers (rebuild it with `specplug datastore "
+                 "build-sa --suites ...` or `build-dense --suites ...`)")
         elif held:
             raise _Stop(
                 f"{m['name']}'s datastore {store} holds the target's answers to measured "
                 f"prompts ({', '.join(f'{k}: {v}' for k, v in held.items())}): the method "
                 "would copy the answers it is measured on. Measure other suites or prompts, "
-                "or build the store without them (benchmarks.reader_store --skip)")
+                "or build the store without them (`specplug datastore build-* --skip`)")
 
 
 def new_document(args, argv, started, model, run_len, methods, suite_meta, machine,

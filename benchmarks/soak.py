@@ -1,7 +1,7 @@
 """Soak test of `specplug serve` under load: concurrency, mixed sampling,
 client aborts, memory, metrics, and greedy answers against plain decoding.
 
-    python -m benchmarks.soak --method pld --duration 600 --out results/soak_pld.json
+    python -m benchmarks.soak --method pld --duration 600 --out benchmarks/results/soak_pld.json
 
 Starts ``specplug serve`` on 127.0.0.1 with a specplug method on the
 reference model (float32) and drives it with the ``openai`` client: 32
@@ -42,6 +42,8 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from benchmarks.machine import git_info, machine_info
 
 PROMPTS = [
     "List the days of the week, one per line.",
@@ -388,7 +390,8 @@ def soak(model: str, spec: dict, duration: float, max_requests: int, concurrency
     report: dict = {"method": spec.get("method"), "spec": spec, "model": model,
                     "duration_s": duration, "max_requests": max_requests,
                     "concurrency": concurrency, "max_tokens": max_tokens,
-                    "abort_rate": abort_rate, "seed": seed, "log_dir": log_dir}
+                    "abort_rate": abort_rate, "seed": seed, "log_dir": log_dir,
+                    "machine": machine_info(), "git": git_info()}
     t_start = time.time()
     with Server(model, spec, log_path=os.path.join(log_dir, "spec_server.log")) as srv:
         report["startup_s"] = round(time.time() - t_start, 1)

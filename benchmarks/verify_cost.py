@@ -1,4 +1,4 @@
-"""Cost of one verification step vs draft-tree size (issue 3).
+"""Cost of one verification step vs draft-tree size.
 
     python -m benchmarks.verify_cost [--sizes 0,1,2,4,8,16,32,64] [--batch 1,8,32]
         [--steps 16] [--dtype bfloat16] [--eager] [--prompt-tokens 100]
@@ -126,7 +126,7 @@ def main() -> None:
     model = args.model or reference_model_path()
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
-    from benchmarks.machine import describe, machine_info
+    from benchmarks.machine import describe, git_info, machine_info
 
     machine = machine_info()
     print(describe(machine), f"({'eager' if args.eager else 'compiled'})", flush=True)
@@ -186,7 +186,7 @@ def main() -> None:
             pplain.close()
     meta = {"model": model, "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats,
             "prompt_tokens": args.prompt_tokens,
-            "enforce_eager": args.eager, "machine": machine,
+            "enforce_eager": args.eager, "machine": machine, "git": git_info(),
             "seconds": time.time() - t_start}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=2)

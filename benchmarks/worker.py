@@ -65,9 +65,9 @@ def _timed_generate(llm, prompts: list, params, job: dict, suite: str):
 
     In a paired run (``pair_chunk`` set) the prompts go in chunks of that
     many, each chunk its own timed call in turn with the other engine's same
-    chunk: the machine's speed moved by up to 12 % between two adjacent
-    45-second suite calls (session 35, a never-drafting `dresd` beside
-    plain decoding on RAG: 0.89x, 0.97x, 1.01x in three repeats), and
+    chunk: a shared machine's speed moves by up to 12 % between two
+    adjacent 45-second suite calls (a never-drafting method beside plain
+    decoding read 0.89x, 0.97x, 1.01x in three such repeats), and
     several-second calls meet the machine in more nearly the same state.
     At batch 1 (chunks of one prompt) the scheduling is the whole call's;
     at a larger batch a chunk of the batch size drains before the next one

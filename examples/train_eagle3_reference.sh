@@ -32,14 +32,14 @@ export OMP_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false
 stage=${1:-all}
 
 if [[ $stage == all || $stage == data ]]; then
-  nice -n 10 $PY -m vllm_specplug.eagle3.cli generate-data \
+  nice -n 10 $PY -m vllm_specplug.cli eagle3 generate-data \
     --target "$TARGET" --out "$DATA" \
     --sources "$SOURCES" \
     --max-new-tokens 128 --max-prompt-tokens 768 --shard-size 64 --threads "$THREADS"
 fi
 
 if [[ $stage == all || $stage == train ]]; then
-  nice -n 10 $PY -m vllm_specplug.eagle3.cli train \
+  nice -n 10 $PY -m vllm_specplug.cli eagle3 train \
     --data "$DATA" --out "$HEAD" \
     --draft-vocab-size 12288 --ttt-steps "${TTT:-6}" --loss kl \
     --epochs "${EPOCHS:-3}" --batch-size 16 --lr "${LR:-3e-4}" --warmup 10 \

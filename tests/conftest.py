@@ -52,9 +52,9 @@ def shutdown(llm) -> None:
 def onednn_order_unknown_here() -> bool:
     """True where oneDNN's float32 summation order, which the CPU linear
     kernel (kernels/cpu_linear.py) must match bit for bit, has not been
-    established: known on x86 without AVX-512 (the AVX2 EPYC, sessions
-    21-22) and on an Intel Xeon with AVX-512/AMX (blocks of 512, or 1024
-    by row count: session 30); not on an AMD CPU with AVX-512. There the
+    established: known on x86 without AVX-512 (an AMD EPYC with AVX2) and
+    on an Intel Xeon with AVX-512/AMX (blocks of 512, or 1024 by row
+    count); not on an AMD CPU with AVX-512. There the
     shapes may be refused and vLLM's own path runs (safe:
     test_routed_layers_keep_onednn_bits)."""
     from benchmarks.machine import cpu_info

@@ -1,8 +1,8 @@
 """vLLM's compile cache on CPU (``vllm_specplug.plugin._fix_compile_cache``).
 
-vLLM 0.32 with torch 2.13 recompiled the model on every CPU engine start
-("Compiling model again due to a load failure ... 'function' object has no
-attribute 'finalize_loading'"). With the plugin's fix, a second start of the
+Without the plugin's fix, vLLM 0.32 with torch 2.13 recompiles the model on
+every CPU engine start ("Compiling model again due to a load failure ...
+'function' object has no attribute 'finalize_loading'"). With it, a second start of the
 same configuration in a fresh process loads the compiled model instead:
 vLLM's own compilation counters say which happened.
 """
@@ -58,7 +58,7 @@ def test_second_start_loads_the_compiled_model(tiny_model):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_reference_model_second_start_under_30s(ref_model, tmp_path):
-    """The issue's case: the reference model with a tree method, from an empty
+    """What a user waits for: the reference model with a tree method, from an empty
     cache. First start compiles (minutes on 2 cores); the second loads, and
     ``LLM()`` takes under 30 s on an otherwise idle machine. A new
     configuration of the same model (another ``max_num_seqs``: another

@@ -32,7 +32,6 @@ def _create(spec: dict, model: str):
      "speculative_config['prompt_lookup_max']: Input should be greater than or equal to 1"),
     ({"method": "pld", "num_speculative_tokens": 4, "prompt_lookup_min": 5,
       "prompt_lookup_max": 3}, "speculative_config['prompt_lookup_min']=5 must be <="),
-    ({"method": "pld"}, "speculative_config['num_speculative_tokens'] is required"),
     ({"method": "pld", "num_speculative_tokens": 2, "tree_branches": 3},
      "speculative_config['tree_branches']=3 exceeds num_speculative_tokens=2"),
 ])
@@ -131,9 +130,20 @@ def test_plugin_loads_in_engine_core_and_worker_processes(tiny_model, tmp_path):
 @pytest.mark.engine
 def test_numba_imported_before_engine_start(tiny_model):
     """vLLM 0.32 pitfall: after numba is imported (vLLM's own ngram does it),
-    a CPU worker start used to fail in the kernel dispatcher."""
+    a CPU worker start fails in the kernel dispatcher unless the plugin
+    hides numba from it (``plugin._ModulesWithoutLlvm``)."""
     import numba  # noqa: F401
 
     spec = {"method": "pld", "num_speculative_tokens": 3}
     with engine(tiny_model, spec, max_model_len=256) as llm:
         assert len(greedy(llm, [[5, 6, 7, 5, 6]], 4)[0]) == 4
+
+
+def test_num_speculative_tokens_defaults_to_the_registry_cap():
+    """`{"method": "pld"}` alone is a complete config: vLLM gets the default cap."""
+    from vllm_specplug import registry
+
+    _, _, vllm_keys = registry.resolve({"method": "pld"})
+    assert vllm_keys == {"num_speculative_tokens": 16}
+    _, _, vllm_keys = registry.resolve({"method": "pld", "num_speculative_tokens": 4})
+    assert vllm_keys == {"num_speculative_tokens": 4}

@@ -3,7 +3,8 @@
 Options travel in vLLM's own ``speculative_config`` JSON next to
 ``method`` and ``num_speculative_tokens``. Each method declares a
 ``MethodConfig`` subclass; a field's docstring is its documentation (the
-README table is generated from it), as in vLLM's config classes. Turning a
+tables of ``docs/options.md`` are generated from it), as in vLLM's config
+classes. Turning a
 user's dict into a validated config is the registry's job
 (``registry.resolve`` / ``registry.build_config``).
 """
@@ -71,11 +72,11 @@ class MethodConfig(BaseModel):
     """With ``cost_aware``: weigh each request's accepted tokens by what they
     save in a closed batch (nothing waiting for a slot: only the requests
     with the most tokens left shorten the batch; ``engine/budget.py``).
-    Off by default: measured at batch 8 (session 26) it cut `pld`'s
-    translation from 1.88x to 1.44x plain decoding, where answers end at an
-    end-of-sequence token long before ``max_tokens`` and the tokens left do
-    not say which request finishes last, and its gain where requests run to
-    ``max_tokens`` was within the noise."""
+    Off by default: where answers end at an end-of-sequence token long
+    before ``max_tokens`` (translation, for one), the tokens left do not say
+    which request finishes last, and the weights cut drafts that pay -- at
+    batch 8 `pld` loses a large part of its speedup there -- while where
+    requests do run to ``max_tokens`` the gain is within the noise."""
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

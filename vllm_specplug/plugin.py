@@ -122,7 +122,7 @@ def _refuse_relaxed_unsupported_requests() -> None:
 
 def _with_default_eagle3_head(spec: dict, model: str) -> dict:
     """vLLM's own ``eagle3`` without a ``model``: the head specplug ships for
-    this target's shape (for the reference model: the one trained here)."""
+    this target's shape (for the reference model: the one in the package)."""
     from vllm_specplug.eagle3 import default_head_for
 
     head = default_head_for(model)
@@ -275,11 +275,11 @@ def _fix_compile_cache() -> None:
     2. Sharing. vLLM points inductor's cache at one folder per AOT hash, and
        that hash covers the whole engine config (speculative config, method
        options, ``max_num_seqs``, ...), so every new configuration of the
-       same model also compiled its C++ kernels from scratch. Inductor's
+       same model would compile its C++ kernels from scratch. Inductor's
        caches are keyed by content (torch's default is one folder for
        everything), so the plugin points them at one folder per vLLM cache
-       root: a new configuration reuses the compiled kernels (seen here: the
-       5th configuration of the reference model added no kernel). Tracing
+       root: a new configuration reuses the compiled kernels (after a few
+       configurations of a model, a new one adds none). Tracing
        and lowering still run for it: their cache key differs between
        engine configurations.
     """
@@ -314,8 +314,8 @@ def _hash_graph_not_options() -> None:
 
     vLLM keys its compile cache by ``VllmConfig.compute_hash()``, which
     hashes ``additional_config`` whole, so each method and each option value
-    (a tree size, a threshold) was a cache miss: 70-180 s of compiling on a
-    2-core CPU per new configuration, a whole hour for a 22-point option
+    (a tree size, a threshold) would be a cache miss: 70-180 s of compiling
+    on a 2-core CPU per new configuration, an hour for a 22-point option
     sweep. The method changes the target's graph in one way only: the
     hidden-state layers it asks the model to return. The runner records them
     under ``GRAPH_KEY`` when it installs the capture (before the first

@@ -93,6 +93,12 @@ def build_config(method: str, options: dict[str, Any],
     return config
 
 
+# The largest tree a step may verify when the user names none. The cost-aware
+# budget sizes each step's tree at or below it, so a generous cap costs
+# nothing where drafting does not pay; every method's default tree fits in it.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 16
+
+
 def resolve(raw: dict[str, Any]) -> tuple[str, MethodConfig, dict[str, Any]]:
     """Split a user's speculative_config into (method, validated method
     config, the keys that stay with vLLM).
@@ -117,9 +123,7 @@ def resolve(raw: dict[str, Any]) -> tuple[str, MethodConfig, dict[str, Any]]:
                 f"(method options: {known})"
             )
     config = build_config(method, mine)
-    n = theirs.get("num_speculative_tokens")
-    if n is None:
-        raise missing_option("num_speculative_tokens", method)
+    n = theirs.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise option_error("num_speculative_tokens", f"must be a positive integer (got {n!r})")
     config.check_against(n)

@@ -21,7 +21,6 @@ import contextlib
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -36,28 +35,6 @@ PROMPTS = [
     "The capital of France is Paris. The capital of Germany is Berlin. The capital of",
     "<html>\n<head>\n<title>My page</title>\n</head>\n<body>\n",
 ]
-
-
-def register_cli(sub) -> None:
-    p = sub.add_parser("selftest", help="lossless checks of every method on this "
-                       "device (run first on a GPU)")
-    p.add_argument("--model", default=None,
-                   help="target model (default: the reference model)")
-    p.add_argument("--methods", nargs="*", default=None,
-                   help="only these methods (default: all registered)")
-    p.add_argument("--options", default="{}",
-                   help='JSON: per-method options, e.g. \'{"dresd": {"datastore": "..."}}\'')
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--attention-backend", default=None,
-                   help="vLLM attention backend (GPU: FLASH_ATTN or TRITON_ATTN)")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--num-speculative-tokens", type=int, default=16,
-                   help="per method (adapld's default tree needs more than 8)")
-    p.add_argument("--enforce-eager", default=None, action="store_true",
-                   help="no CUDA graphs / torch.compile (default: only on CPU)")
-    p.add_argument("--samples", type=int, default=1000,
-                   help="requests per side in the sampling check (0: skip it)")
-    p.set_defaults(func=_run)
 
 
 def _worker_info(worker) -> dict:
@@ -143,7 +120,8 @@ def homogeneity_pvalue(a: list[int], b: list[int]) -> float:
     return float(torch.special.gammaincc(df, stat / 2))
 
 
-def _run(args) -> int:
+def run(args) -> int:
+    """The checks, with ``specplug selftest``'s arguments (``args``); 1 if any failed."""
     # _worker_info travels to the engine's worker process as a function;
     # vLLM only pickles functions when allowed (this process's own engines).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -237,9 +215,3 @@ def _run(args) -> int:
     print(f"\n{'FAILED' if failed else 'all checks passed'}"
           f" ({len(failed)} failed, {sum(r[2] == 'SKIP' for r in rows)} skipped)")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    from vllm_specplug.cli import main
-
-    sys.exit(main(["selftest", *sys.argv[1:]]))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks import gpu_model
+from benchmarks.studies import gpu_model
 from vllm_specplug.eagle3 import shipped_head_path
 from vllm_specplug.models.reference import reference_model_path
 

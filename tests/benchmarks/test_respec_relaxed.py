@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import respec_relaxed
+from benchmarks.studies import respec_relaxed
 from benchmarks.run import lossy_by_option
 
 

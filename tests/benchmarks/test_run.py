@@ -437,7 +437,7 @@ def test_labelled_variants_and_default_eagle3_head(ref_model, tiny_model):
 
 
 def test_adjacency_cost_runs():
-    from benchmarks import adjacency_cost
+    from benchmarks.studies import adjacency_cost
 
     out = adjacency_cost.main(["--vocab", "512", "--repeats", "5"])
     assert out["update_rows"] == 72 and out["update"]["median_ms"] > 0

@@ -361,7 +361,7 @@ def test_open_checks(built, tmp_path, model_path):
 
 
 def _cli(argv) -> int:
-    from vllm_specplug.datastore import cli
+    from vllm_specplug.cli import datastore as cli
 
     parser = argparse.ArgumentParser(prog="specplug")
     cli.register_cli(parser.add_subparsers(dest="command"))

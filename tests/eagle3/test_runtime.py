@@ -221,9 +221,9 @@ def test_warm_up_leaves_nothing_behind_but_a_level_time(setup):
 def test_one_slow_level_cannot_price_every_later_level_out(setup):
     """A drafting level measured far slower than usual (a new shape's first
     call, the OS taking a core) moves the level-time estimate by at most
-    ``LEVEL_JUMP`` times: seen uncapped, one 343 ms level left the estimate
-    so high that the cost-aware depth stop cut every later tree to one
-    level, and no later level ran to correct it."""
+    ``LEVEL_JUMP`` times: uncapped, one 343 ms level would leave the
+    estimate so high that the cost-aware depth stop cut every later tree
+    to one level, and no later level would run to correct it."""
     from vllm_specplug.eagle3.runtime import LEVEL_JUMP
 
     head, _, _ = setup

@@ -101,8 +101,8 @@ def test_step_cost_forgets_a_knot_it_has_not_seen_for_long():
 
 
 def test_step_cost_never_falls_as_rows_grow():
-    # graft's curve at batch 8 on summarization (issue21_b8_paired.json):
-    # its few small-row knots (the suite's tail) were one-offs. A knot dearer
+    # a batch-8 curve whose few small-row knots (a burst's tail, where
+    # few requests still decode) are one-offs. A knot dearer
     # than a larger one leaves the curve: plain decoding at 8 rows is read
     # proportionally below the 10-row knot (58 ms), not the 609 ms
     # interpolated between 6 and 10 rows.
@@ -132,11 +132,11 @@ def test_step_cost_never_falls_as_rows_grow():
 
 
 def test_a_dear_plain_knot_does_not_make_drafting_look_free():
-    # adapld at batch 8 on summarization (session 24): the 8-row knot (plain
-    # decoding) was measured at 385 ms in a warm-up that shared the CPU with
-    # another engine; the suite's 23-row steps then cost 234 ms. Clamped to
-    # the 23-row value, plain decoding cost what 15 draft rows did, so any
-    # draft looked free. Left out, plain is read proportionally: 234 * 8/23.
+    # batch 8: the 8-row knot (plain decoding) measured at 385 ms in a
+    # warm-up that shared the CPU with another engine, while the drafted
+    # 23-row steps cost 234 ms. Clamped to the 23-row value, plain decoding
+    # would cost what 15 draft rows do, so any draft would look free. Left
+    # out, plain is read proportionally: 234 * 8/23.
     c = StepCost()
     for rows, ms in [(5, 299.5), (6, 312.5), (8, 385.1), (32, 726.0), (23, 234.5)]:
         c.observe(rows, ms / 1e3)
@@ -308,8 +308,8 @@ def test_gate_stays_open_when_drafting_pays_and_reopens():
 
 def test_gate_without_drafting_cost_never_closes():
     # free drafting: a step whose best cut is empty loses nothing, so the
-    # gate stays open (it used to close on it and skip the next 2-32
-    # steps' drafts, good ones included)
+    # gate stays open (closing on it would skip the next 2-32 steps'
+    # drafts, good ones included)
     ctl = _one_node_controller(0.05, 0.0)
     ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
     assert ctl.draft_now()
@@ -558,11 +558,11 @@ def test_closed_batch_token_values():
     ctl = BudgetController(cost=_linear_cost(50, 5))
     # only the request with the most tokens left shortens the batch
     np.testing.assert_allclose(ctl.token_values(2, [100, 50]), [50 / 27.5, 5 / 27.5])
-    # evenly placed: every request's token is worth its share (the old objective)
+    # evenly placed: every request's token is worth its share (the open-workload value)
     np.testing.assert_allclose(ctl.token_values(2, [64, 64]), [1.0, 1.0])
     np.testing.assert_allclose(ctl.token_values(1, [7]), [1.0])  # batch 1: a whole step
     assert ctl.token_values(2, None) is None  # an open workload
-    # requests that stop at end of sequence: half the weight is the old one
+    # requests that stop at end of sequence: half the weight is the open-workload one
     np.testing.assert_allclose(ctl.token_values(2, [100, 50], length_bound=0.5),
                                [0.5 * 50 / 27.5 + 0.5, 0.5 * 5 / 27.5 + 0.5])
     assert ctl.token_values(2, [100, 50], length_bound=0.0) is None

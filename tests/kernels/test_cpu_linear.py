@@ -197,7 +197,8 @@ def test_entries_go_with_a_layer_whose_weight_points_back_to_it():
     """vLLM keeps the weight of its (tied) embedding / LM head, a Parameter
     whose ``weight_loader`` is a bound method of the layer: the table must
     not keep that Parameter, or the layer (and its packed copy, ~0.4 GB on
-    the reference model) outlives every engine -- a CI run OOMed on it."""
+    the reference model) outlives every engine, and a process that starts
+    many engines runs out of memory."""
     _first_dispatch_done()
     before = len(cpu_linear._layers)
     layer = _vllm_linear(576, 960)

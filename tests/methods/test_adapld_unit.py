@@ -229,7 +229,7 @@ def test_semantic_fallback_finds_tokens_generated_later():
     assert p.report()["semantic_hits"] == 1
 
 
-# ------------------------------------------------- the scored default (issue 20)
+# ------------------------------------------------------------ the scored default
 
 
 def probs_rows(rows_ids, rows_probs):

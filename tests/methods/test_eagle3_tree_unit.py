@@ -143,7 +143,7 @@ def test_catch_up_rows_count_what_the_head_holds(ref_model):
     """``catch_up_rows``: the rows a gated request holds plus this step's
     (what its next draft would first feed the head); 0 + new once fed. The
     default bound holds a 1200-token prompt of the reference model (16 MiB:
-    2427 rows of 3 x 576 floats), the old 1024 rows did not."""
+    2427 rows of 3 x 576 floats), which a bound of 1024 rows would not."""
     ctx = _ref_ctx(ref_model)
     g = torch.Generator().manual_seed(3)
     toks = np.arange(100, 1400, dtype=np.int64)
@@ -170,7 +170,7 @@ def test_catch_up_rows_count_what_the_head_holds(ref_model):
 def test_head_stops_deepening_where_a_level_is_worth_less_than_its_pass(ref_model):
     """``StepRequest.token_seconds``: with a token worth far less than a
     level's measured time the head drafts one level only; unknown (0) or
-    worth a lot, it drafts as deep as before."""
+    worth a lot, it drafts to its full depth."""
     ctx = _ref_ctx(ref_model)
     g = torch.Generator().manual_seed(2)
     toks = np.arange(300, 341, dtype=np.int64)

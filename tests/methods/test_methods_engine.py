@@ -62,9 +62,9 @@ def test_recycle_lossless(ref_model, baseline):
 
 def test_adapld_lossless_and_frees_memory(ref_model, baseline):
     # Trees pinned on: with the cost-aware budget the gate may rightly close
-    # on these prompts (it did once the step-cost curve stopped reading a
-    # one-off slow small step as plain decoding's cost), and an equality
-    # check over no tree at all would prove nothing about adapld's trees.
+    # on these prompts (drafting need not pay for them on a CPU), and an
+    # equality check over no tree at all would prove nothing about adapld's
+    # trees.
     stats = _check(ref_model, baseline,
                    {"method": "adapld", "num_speculative_tokens": 12, "cost_aware": False})
     m = stats["method"]

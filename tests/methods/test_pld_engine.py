@@ -17,7 +17,7 @@ def _prompts(model: str, n: int) -> list[list[int]]:
     """Chat-formatted Spec-Bench summarization/RAG prompts (plenty to copy)."""
     from transformers import AutoTokenizer
 
-    from benchmarks.suites import shared_dir
+    from vllm_specplug.suites import shared_dir
 
     tok = AutoTokenizer.from_pretrained(model)
     path = shared_dir() / "data/spec_bench/question.jsonl"

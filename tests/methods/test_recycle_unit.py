@@ -251,7 +251,7 @@ def test_stats_report_table_size_and_step_costs():
     assert st["update"]["n"] == 1 and st["expand"]["n"] == 1 and st["expand"]["mean_ms"] >= 0
 
 
-# ------------------------------------------------ the copy path (issue 20)
+# ------------------------------------------------------------ the copy path
 
 
 def test_copy_path_when_the_context_repeats():

@@ -20,8 +20,8 @@ from vllm_specplug.sources import suffix_cache
 
 pytestmark = pytest.mark.engine
 
-# 32 tokens (the eager tests use 48): the compiled engines' decode was
-# ~3.5 min of the default suite; 32 tokens are still 5+ tree steps per
+# 32 tokens (the eager tests use 48): at 48 the compiled engines' decode
+# takes ~3.5 min of the default suite; 32 tokens are still 5+ tree steps per
 # request (a step keeps at most 7 tokens: max_depth 6 + the bonus token)
 MAX_TOKENS = 32
 

@@ -10,7 +10,7 @@ plain decoding at the same TP size, both ranks verify identical trees
 exactly what rank 0's trees predict. The reference model cannot run TP=2 (9
 attention heads); the tiny model (8) does.
 
-On this 2-core machine vLLM's automatic thread binding refuses two CPU
+On a 2-core machine vLLM's automatic thread binding refuses two CPU
 workers on one NUMA node ("Not enough allowed NUMA nodes to bind threads of
 2 local CPUWorkers"); ``VLLM_CPU_OMP_THREADS_BIND=0|1`` gives each rank a core.
 """

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.methods.reader_cli import tree_rank_paths
 from vllm_specplug.sources.template import TreeTemplate, load_template_file, parse_level_counts
+from vllm_specplug.sources.tree_acceptance import tree_rank_paths
 from vllm_specplug.sources.tree_shape import (CostCurve, choose_shape, node_acceptance,
                                               prune_order, save_template)
 

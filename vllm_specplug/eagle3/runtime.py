@@ -151,12 +151,12 @@ class Eagle3Runtime:
         """Draft once from a throw-away state before serving, then forget it.
 
         The first calls of each GEMM shape pay one-time costs (oneDNN builds
-        a primitive per row count: the first draft of a benchmark took
-        343-445 ms for ~2 ms of work). Measured as the first drafting level,
-        that spike made the cost-aware depth stop below every level from
-        then on, and no later level ever ran to correct it (session 27: the
-        head of ``graft``, ``respec`` and ``reader`` drafted one level all
-        run long). The user's first request pays it otherwise, too."""
+        a primitive per row count: a first draft can take a hundred times
+        its work). Measured as the first drafting level, that spike would
+        make the cost-aware depth stop below every level from then on, and
+        no later level would run to correct it: every head-drafting method
+        would draft one level for good. The user's first request pays it
+        otherwise, too."""
         width = self.head.fc.in_features
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, self.head.cfg["vocab_size"], (rows + 1,), generator=g).numpy()

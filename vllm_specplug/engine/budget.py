@@ -35,9 +35,11 @@ steps run until its *longest* request is done: an accepted token of a
 request with fewer tokens left than the longest only takes that request's
 row out of a later step (the step's marginal row cost), and only the
 requests with the most tokens left (``max_tokens``) also shorten the batch
-(the step's fixed cost, shared among them). Seen at batch 8 on
-summarization: `pld` at tau 1.25 saved 12 of 128 steps, not the 26 the
-objective counted, and ran at 0.93x plain decoding. So each request's
+(the step's fixed cost, shared among them). Counting every accepted token
+as a request's share of a step there overstates what drafting saves -- a
+batch runs as many steps as its longest request needs, however many tokens
+its shorter requests accept -- and can make drafting slower than plain
+decoding while the objective says it pays. So each request's
 accepted tokens are weighted by ``(marginal + fixed * longest / n_longest)
 / (T(rows) / rows)`` (1 at batch 1, and for every request of a batch whose
 tokens are accepted evenly) unless the runner saw a request replaced by a
@@ -89,8 +91,8 @@ from vllm_specplug.engine.tree import DraftTree
 class StepCost:
     """Step time (seconds) vs rows verified in the step, learned online.
 
-    A knot's first step may pay one-time costs (a new shape's kernels: seen
-    73 ms for an 8-row step that then costs ~31 ms), so its second step
+    A knot's first step may pay one-time costs (a new shape's kernels can
+    make it cost twice what the size's later steps do), so its second step
     replaces it instead of averaging with it. The controller only visits the
     sizes it believes pay, so a knot measured too dear would never be
     measured again: a knot not observed for ``stale_after`` steps leaves the
@@ -122,17 +124,16 @@ class StepCost:
         # Verifying more rows never makes a step cheaper, so a knot dearer
         # than a larger one is a one-off (a stall, a new shape, a warm-up
         # beside another process) that its size's rare visits do not
-        # correct: seen at batch 8, where only the tail of a suite has 1-6
-        # decoding requests, 1160 ms for a 6-row step against 58 ms for 10
-        # rows -- plain decoding then looked ten times dearer than it is and
-        # `graft` drafted 128-row trees at 0.38x. Such a knot leaves the
-        # curve, which is read there from its consistent neighbours. (Read
-        # at the larger knot's value instead, as until session 24, plain
-        # decoding's 8 rows, measured at 385 ms in a warm-up that shared the
-        # CPU, read as dear as the 23-row steps `adapld` then verified (234
-        # ms): drafting 15 rows looked free, the gate never closed, and
-        # summarization ran at 0.62-0.84x. The 8-row knot was never measured
-        # again, because the controller never stopped drafting.)
+        # correct (at batch 8 the few-row sizes only come up in a burst's
+        # tail). Kept, it makes plain decoding look many times dearer than
+        # it is, and the controller drafts huge trees that run slower than
+        # plain decoding. Such a knot leaves the curve, which is read there
+        # from its consistent neighbours. It is not read at the larger
+        # knot's value instead: plain decoding's rows would then look as
+        # dear as the larger drafted steps, drafting those extra rows would
+        # look free, the gate would never close, and the dear knot would
+        # never be measured again, because the controller would never stop
+        # drafting.
         ys = self.value[self._fresh]
         ok = ys <= np.minimum.accumulate(ys[::-1])[::-1]
         self._seen = self._fresh[ok]
@@ -171,11 +172,10 @@ class StepCost:
             return 0.0
         if rows >= xs[-1]:
             # Along the measured curve's average slope (flat on a GPU, where
-            # rows are nearly free; flat with one point). It was flat, i.e.
-            # "no dearer than the largest seen": a cold batch-8 engine that
-            # knew 2..32 rows from a warm-up then took 136 rows for 218 ms,
-            # verified 16-node trees for 8 requests at ~700 ms a step against
-            # ~100 ms plain, and `adapld` ran summarization at 0.62x.
+            # rows are nearly free; flat with one point), not flat at the
+            # largest known value: an engine that knows only a warm-up's
+            # small sizes would then take trees of many times those rows as
+            # no dearer, and verify steps several times plain decoding's.
             slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0]) if xs.size > 1 else 0.0
             return float(ys[-1] + slope * (rows - xs[-1]))
         if rows <= xs[0]:
@@ -212,9 +212,9 @@ class AcceptanceModel:
     its chain by the length of the context match it copies (a 4-token match
     is accepted far more often than a 1-token one), `graft`/`respec` their
     retrieved nodes. Without sources every node of a depth and rank shares
-    one estimate, so the cut could not tell a sure copy from a guess (seen
-    at batch 1: `pld` drafted 4.4 nodes per draft for the tokens vLLM's
-    ``suffix`` got with 2.0, 1.30x against 1.41x plain decoding). A source's
+    one estimate, so the cut could not tell a sure copy from a guess, and
+    would verify weak matches' nodes along with the sure ones, paying rows
+    for tokens a shorter draft gets as well. A source's
     estimates are shrunk toward the engine's pooled ones while it has little
     evidence (``source_weight`` observations), a request's toward its
     source's (``request_weight``)."""
@@ -381,12 +381,12 @@ def pick_explorer(turn: int, catch_up: list[int | None], cheap: int = CHEAP_CATC
 
     Why not plain round robin: a head that held a gated request's rows
     processes them all before that request's first draft, so exploring a
-    request whose prompt it still holds costs that prompt's head pass (seen
-    at batch 8 on summarization: 50-70 ms an exploring step, and every
-    request's prompt went through the head, ~0.35 s of a 15 s suite, while
-    the gate stayed closed). A request explored once holds only the rows of
-    the steps since, so exploring it again costs about one draft. Methods
-    without held work report 0 for every request: round robin, as before.
+    request whose prompt it still holds costs that prompt's head pass
+    (round robin would push every request's prompt through the head while
+    the gate stays closed, for drafts that do not pay). A request explored
+    once holds only the rows of the steps since, so exploring it again
+    costs about one draft. Methods without held work report 0 for every
+    request: plain round robin.
     """
     n = len(catch_up)
     best, best_key = -1, None
@@ -460,9 +460,9 @@ class DraftGate:
         """Drafting-only work the runner does outside the proposer, per step
         while drafting (slow EMA: it comes in bursts): the LM-head pass over
         new prompts that table-learning methods read (``recycle``,
-        ``adapld``, ``graft``), about a fifth of a long prompt's prefill.
-        Seen at batch 8 on summarization: 3.5 s of a 19 s suite, while the
-        drafts it fed paid 7 % more tokens per pass."""
+        ``adapld``, ``graft``), about a fifth of a long prompt's prefill,
+        which on long prompts can outweigh the extra tokens the drafts it
+        feeds return."""
         self.side_alpha = 0.02
         self.propose_seconds: dict[bool, float | None] = {True: None, False: None}
         """Proposer time per step (EMA), drafting / not drafting."""
@@ -473,18 +473,17 @@ class DraftGate:
         """Starts closed, due to explore at once: until a drafted step has
         paid, one request (round robin) drafts a step, not the batch. A cold
         engine has no evidence that drafting pays, and a batch's first
-        drafts are its dearest: a head catches up on every prompt (seen at
-        batch 8 on summarization: proposer time 0.68 -> 0.54 s of a 14 s
-        suite for `eagle3_tree` with this start, RAG 0.29 -> 0.22 s). At
-        batch 1 the one request is the batch: nothing changes there."""
+        drafts are its dearest: a head catches up on every prompt, so
+        starting with one request's drafts spares the head the prompts of
+        requests whose drafting may never pay. At batch 1 the one request is
+        the batch: nothing changes there."""
         self.proven = False
         """Some drafted step has paid for its drafting. Until then the
         runner skips drafting-only side work (a prompt's LM-head pass): the
         gate is only judged on steps that verify a tree, so
         a method whose drafts start empty (``recycle``'s table) would
         otherwise pay the pass over the whole first burst of prompts before
-        any evidence (seen at batch 8 on summarization: 4.3 s of a 32 s
-        suite, 0.87x plain decoding, where drafting never paid)."""
+        any evidence, even on a workload where drafting never pays."""
         self.surplus: float | None = None
         """Moving average of drafted steps' ``surplus`` (``judge``) while
         the gate is open."""
@@ -507,12 +506,12 @@ class DraftGate:
         if follows_gap:
             # The first draft after no-draft steps also feeds a head the
             # rows it held meanwhile (one batched catch-up): counting it
-            # whole would keep the gate shut (seen: 215 ms "per draft" at
-            # batch 8 for a 40 ms step). A catch-up only makes the step look
+            # whole would keep the gate shut (a catch-up can cost several
+            # times a whole step). A catch-up only makes the step look
             # dearer, so such a step may lower the estimate, never raise it:
             # a closed gate's drafting cost would otherwise stay what it was
-            # when the gate closed (seen: 42 ms after the head's cost-aware
-            # depth had made drafting ~12 ms).
+            # when the gate closed, though drafting may have got cheaper
+            # since (a head's cost-aware depth, for one).
             on, n, off = self.propose_seconds[True], self.drafting_requests, \
                 self.propose_seconds[False] or 0.0
             if on is not None and n and requests > 0:
@@ -560,11 +559,10 @@ class DraftGate:
 
         With ``surplus`` an open gate is judged on its moving average, not
         on the step alone: a step whose best cut is empty loses only its
-        drafting, which for a model-free method is ~0.1 % of a step, and
-        closing the gate on it skipped the next 2-32 steps' drafts (seen at
-        batch 1 on QA: `suffix_tree` gated 158 of 435 steps, tau 1.33
-        against 1.61 with every tree verified). A closed gate's exploring
-        step is judged alone and, if it pays, restarts the average."""
+        drafting, which for a model-free method is ~0.1 % of a step, while
+        closing the gate on it skips the next 2-32 steps' drafts, paying ones
+        included. A closed gate's exploring step is judged alone and, if it
+        pays, restarts the average."""
         if surplus is not None:
             if self.open and self.surplus is not None:
                 self.surplus = ema(self.surplus, surplus, self.alpha)
@@ -576,9 +574,9 @@ class DraftGate:
             self.proven = True
             if not self.exploring or whole_batch:
                 # only a whole batch's drafting that pays ends the back-off:
-                # one request's exploring may pay where the batch's does not
-                # (seen at batch 8: explore pays, the next step's drafting
-                # for all does not, back to skipping 2 steps, again and again)
+                # one request's exploring may pay where the batch's does not,
+                # and resetting on it would alternate between drafting for
+                # all and skipping 2 steps, again and again
                 self._backoff = 1
             return
         self.open = False
@@ -586,8 +584,9 @@ class DraftGate:
         self._skip = self._backoff
         # The share bound only after `bound_after` closings without a whole
         # batch's drafting paying in between: a single step that does not pay
-        # is often one unlucky draft (seen at batch 1: a drafting-bound QA
-        # suite skipping 40+ steps after each, tau 3.1 -> 1.6).
+        # is often one unlucky draft, and stretching the skips after it
+        # would leave a workload whose drafts usually pay undrafted for
+        # dozens of steps.
         if (self._backoff >= 1 << self.bound_after and self.explore_seconds
                 and step_seconds > 0):
             floor = self.explore_seconds / (self.explore_share * step_seconds)
@@ -642,12 +641,12 @@ class BudgetController:
         # Calibration: the acceptance model's expected accepted tokens of the
         # kept trees vs what they realised (decayed sums). The model can be
         # optimistic where the cut selects (a request's few lucky outcomes
-        # make its estimate high: seen 0.6 realised per expected at batch 8
-        # on summarization); only ever scaled down, so a calibrated
+        # make its estimate high); only ever scaled down, so a calibrated
         # controller drafts no more than the model alone would. Half-life
         # 200 kept trees (``_cal_decay``): a workload's change must show
-        # within a few requests (seen: `reader` kept the calibration of QA,
-        # where its deep branch is accepted, on MT-bench, where it is not).
+        # within a few requests (a method whose deep branch is accepted on
+        # one workload and not on the next must not keep the first one's
+        # calibration).
         self._cal_expected, self._cal_realised = 0.0, 0.0
 
     # -------------------------------------------------------------- learning
@@ -683,15 +682,14 @@ class BudgetController:
     def reset_learning(self) -> None:
         """Forget everything the controller learned (acceptance estimates,
         calibration, the gate and its drafting costs, the step-cost curve);
-        its counters stay. For a warm-up that must not teach: the
-        benchmark's warm-up on filler text (run so that first-use costs of
-        new shapes do not land on the first suite) taught the gate that
-        drafting pays -- repetitive filler is drafted almost perfectly --
-        so the first real prompts met a proven, open gate instead of a cold
-        engine's (`recycle` paid its prompt LM-head pass over a batch-8
-        summarization burst, 0.81x); and in paired runs the two engines'
-        warm-ups share the CPU, so the steps it measured were up to five
-        times dearer than the suite's."""
+        its counters stay. For a warm-up that must not teach: a warm-up on
+        filler text (run so that first-use costs of new shapes do not land
+        on the first real prompts) would teach the gate that drafting pays
+        -- repetitive filler is drafted almost perfectly -- so the first
+        real prompts would meet a proven, open gate instead of a cold
+        engine's, and pay drafting-only side work before any evidence; and
+        a warm-up that shares the CPU with another process measures steps
+        far dearer than the real ones."""
         self._start()
 
     def forget(self, req_id: str) -> None:

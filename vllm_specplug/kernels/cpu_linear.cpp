@@ -34,7 +34,7 @@ constexpr int64_t PF = 64;       // k ahead to prefetch: the panel streams in wh
                                  // the FMAs run (~5-10 % at 9-17 rows on AVX2)
 constexpr int LINE = 16;         // floats in a cache line: AVX-512's 32-column panel row
                                  // spans two, and prefetching only the first left the
-                                 // kernel slower than oneDNN at 3-8 rows (session 30)
+                                 // kernel slower than oneDNN at 3-8 rows
 constexpr int MAX_M = 64;        // rows one call may take (cpu_linear.py sends <= 24)
 typedef float vf __attribute__((vector_size(W * 4)));
 

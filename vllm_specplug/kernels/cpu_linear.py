@@ -3,10 +3,10 @@ vLLM's oneDNN path.
 
 Why: on a 2-core CPU a decode or tree-verify step is mostly linear layers
 (vLLM's ``onednn_mm``: ~70 % of an 8-node tree step on the reference
-model). For a handful of rows oneDNN streams the weights at ~9-10 GB/s here,
-and on AVX2 its cost grows with the rows: 9 rows cost ~1.5x one row, so an
-8-node tree step paid ~22 ms more than a plain step in the linear layers
-alone. ``cpu_linear.cpp`` reads each weight panel from memory once for all
+model). For a handful of rows oneDNN streams the weights at ~9-10 GB/s on
+such a CPU, and on AVX2 its cost grows with the rows: 9 rows cost ~1.5x one
+row, so an 8-node tree step pays ~22 ms more than a plain step in the
+linear layers alone. ``cpu_linear.cpp`` reads each weight panel from memory once for all
 rows (up to ``MAX_ROWS``) and keeps the FMA units busy.
 
 Why it stays lossless: vLLM's oneDNN computes each output as FMA chains over
@@ -55,10 +55,10 @@ SUM_BLOCKS = (0, 512, 1024)
 """The k-block sizes tried, in order, for each row count of a shape's
 load-time check (0: one chain over all of K). oneDNN's brgemm on x86 sums K
 in blocks, each one FMA chain, the blocks' sums added in order; the block
-depends on the CPU and on the call's shape, rows included. AVX2 (the EPYC,
-sessions 21-22): 1024 at every row count (K = 1536: chains over k < 1024
+depends on the CPU and on the call's shape, rows included. AVX2 (an AMD
+EPYC): 1024 at every row count (K = 1536: chains over k < 1024
 and k >= 1024 added; likewise at K = 1025, 1152, 2048, 2560, 3072 and
-4096). AVX-512 (a Xeon with AMX, session 30): 512 at every row count for
+4096). AVX-512 (an Intel Xeon with AMX): 512 at every row count for
 K = 576, and for K = 1536 512 at one row but 1024 at 2-24 rows -- so the
 block is found per row count. A block of at least K is one chain, so for
 K <= 512 only 0 is tried."""
@@ -170,7 +170,7 @@ def _forward(x: torch.Tensor, handle: torch.Tensor, n: int,
 
 # A torch op, so that the compiled graph calls it as it calls onednn_mm.
 # Defined with torch.library.Library rather than the custom_op decorator:
-# the decorator's wrappers cost ~35 us a call here, ~3 ms a step over the
+# the decorator's wrappers cost ~35 us a call on a 2-core CPU, ~3 ms a step over the
 # reference model's 91 routed calls; this costs ~8 us.
 _LIB = torch.library.Library("specplug", "FRAGMENT")
 _LIB.define("cpu_linear(Tensor x, Tensor handle, int n, Tensor? bias) -> Tensor")
@@ -191,12 +191,11 @@ class _Handle:
         self.tensor = torch.tensor(handle, dtype=torch.int64)
 
 
-# Random inputs per row count the order check tries. One was not enough: on
-# a Xeon with AVX-512/AMX (session 25) K = 1536 passed with one input per
-# row count and then differed from oneDNN in the last bit at one row on
-# other inputs (tests/kernels/test_cpu_linear.py caught it): oneDNN sums
-# that shape in blocks of 512 at one row and 1024 at more (session 30), and
-# a block tried for every row count at once matched neither.
+# Random inputs per row count the order check tries. One is not enough: a
+# wrong block size can match oneDNN's bits on one input and differ in the
+# last bit on others. On an Intel Xeon with AVX-512/AMX, oneDNN sums
+# K = 1536 in blocks of 512 at one row and 1024 at more; with one input per
+# row count a block that matched neither could pass the check.
 ORDER_TRIALS = 4
 
 
@@ -254,7 +253,8 @@ def route(layer: torch.nn.Module, weight: torch.Tensor) -> bool:
     # Parameter whose ``weight_loader`` is a bound method of the layer; kept
     # as is, it held the layer alive from this global table, so the
     # finalizer below never ran and every engine left its LM head's copies
-    # behind (~0.4 GB each on the reference model; the CI run OOMed)
+    # behind (~0.4 GB each on the reference model: a process that starts
+    # many engines, as the tests do, would run out of memory)
     _layers[handle] = _Layer(packed, blocks, fallback, layer.weight.detach())
     weakref.finalize(layer, _layers.pop, handle, None)
     h = _Handle(handle)

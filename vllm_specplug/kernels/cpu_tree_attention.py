@@ -4,7 +4,7 @@ Why: on a CPU the tree rows' attention written as ATen calls
 (``runner.tree_attention.paged_tree_attention``) costs about twenty calls a
 layer, each ~8 us of dispatch on a 2-core machine, plus a copy of every
 context block out of the paged cache; at batch 1 that overhead, not the
-arithmetic, made an 8-node tree step cost 1.5-1.9x a plain step. The kernel
+arithmetic, makes an 8-node tree step cost 1.5-1.9x a plain step. The kernel
 in ``cpu_tree_attention.cpp`` reads the blocks where they lie, shares each
 block's loads across all the rows of a kv head's group, and merges context
 chunks flash-attention style, in one call.
@@ -34,6 +34,9 @@ import tempfile
 import threading
 
 import torch
+
+from vllm_specplug.kernels.cache_layout import cpu_split_cache
+from vllm_specplug.paths import default_cache_dir
 
 SOURCE = os.path.join(os.path.dirname(__file__), "cpu_tree_attention.cpp")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -95,8 +98,6 @@ def library_path(cache_dir: str | None = None, march: str = MARCH, source: str =
                  flags: tuple = FLAGS) -> str:
     """Where this machine's build of a kernel (this one by default; the
     linear kernel passes its own source and flags) lives, built or not."""
-    from vllm_specplug.models.reference import default_cache_dir
-
     cxx = os.environ.get("CXX", "g++")
     with open(source, "rb") as f:
         key = hashlib.sha256(f.read() + repr((cxx, flags, march)).encode()
@@ -279,8 +280,6 @@ def self_check() -> str | None:
     """One small problem per layout, against ``reference``: a compiler or
     CPU that miscompiles the kernel must not corrupt a single token. None
     when it passes, else what differed."""
-    from vllm_specplug.runner.tree_attention import cpu_split_cache
-
     g = torch.Generator().manual_seed(0)
     n, h, hkv, d, bs, nb = 5, 4, 2, 32, 32, 4
     ctx = 2 * bs + 7

@@ -69,8 +69,9 @@ class Eagle3TreeConfig(MethodConfig):
     floats a row: 6.75 KiB for the reference model, 48 KiB for a 4096-wide
     target) and the catch-up its next draft pays. 0 feeds every step.
     None: as many rows as ``HELD_BYTES`` (16 MiB) hold, at least 1024
-    (2427 for the reference model, whose summarization prompts of up to
-    ~1200 tokens were fed whole at 1024 while the gate stayed closed)."""
+    (2427 for the reference model: enough to hold a ~1200-token
+    summarization prompt while the gate is closed, which a bound of 1024
+    would feed whole)."""
     prefix_store_tokens: int = Field(default=1 << 16, ge=0)
     """Head K/V positions kept (LRU, by token prefix) for prompt blocks vLLM
     serves from its prefix cache; a request whose cached prefix is not in the
@@ -194,9 +195,9 @@ class Eagle3TreeProposer(Proposer):
                 # draft is asked. A gated request costs no head pass at all
                 # (until it holds more than max_held_rows: a long prompt is
                 # fed), and holding is O(1) a step (a gated step must cost
-                # nothing). Prompts were always fed until session 26: at
-                # batch 8 the head's pass over 8 RAG prompts while the gate
-                # stayed closed was ~3 % of the suite.
+                # nothing): feeding every prompt at once would spend a head
+                # pass over a batch of long prompts whose drafts may never
+                # be asked for.
                 # This step's rows are a view of the whole step's gathered
                 # rows (runner._sp_gather): held as a copy, or the view
                 # would keep every request's rows of the step alive.

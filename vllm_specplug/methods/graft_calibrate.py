@@ -1,8 +1,4 @@
-"""`specplug graft calibrate`: fit graft's checkpoint thresholds.
-
-    specplug graft calibrate --prompts FILE --out graft_cal.json \\
-        [--model DIR] [--limit 32] [--max-tokens 128] [--num-speculative-tokens 60] \\
-        [--verify-cost benchmarks/results/verify_cost.json]
+"""Fitting graft's checkpoint thresholds (``specplug graft calibrate``).
 
 The paper only sketches calibration ("in the spirit of ECHO"). Here:
 
@@ -28,7 +24,6 @@ calibration prompts must not be evaluation prompts (not Spec-Bench
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -36,31 +31,6 @@ import tempfile
 import time
 
 import numpy as np
-
-
-def register_cli(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "graft", help="graft method tools (threshold calibration)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="graft_command", metavar="ACTION")
-    cal = sub.add_parser("calibrate", help="fit the pruning thresholds on calibration prompts")
-    cal.add_argument("--prompts", required=True,
-                     help="corpus file of prompts (.jsonl with 'prompt'/'turns'/'text', or "
-                          ".txt); in a repository checkout also a benchmark suite name "
-                          "such as humaneval:even")
-    cal.add_argument("--out", required=True, help="calibration JSON to write")
-    cal.add_argument("--model", default=None, help="target folder (default: reference model)")
-    cal.add_argument("--limit", type=int, default=32, help="prompts used (default 32)")
-    cal.add_argument("--max-tokens", type=int, default=128)
-    cal.add_argument("--num-speculative-tokens", type=int, default=60)
-    cal.add_argument("--options", default="{}",
-                     help="more graft options (JSON), e.g. head, depth, topk, table_path")
-    cal.add_argument("--verify-cost", default=None,
-                     help="benchmarks.verify_cost JSON of this target on the serving "
-                          "device (default: flat verification cost)")
-    cal.add_argument("--grid", type=int, default=20, help="quantiles tried per checkpoint")
-    cal.set_defaults(func=_calibrate)
-    parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
 # ------------------------------------------------------------------ fitting
@@ -180,67 +150,47 @@ def measure_head_ms(head_dir: str, expansions: list[int], budget: int, depth: in
     return out
 
 
-# ------------------------------------------------------------------ the CLI
-def _prompts(spec: str, limit: int, tokenizer) -> list[list[int]]:
-    from vllm_specplug.corpus import chat_ids, iter_prompts
-
-    if os.path.exists(spec):
-        turns = [t[0] for _, t in itertools.islice(iter_prompts(spec), limit)]
-        return [chat_ids(tokenizer, t) for t in turns]
-    try:
-        from benchmarks import suites
-    except ImportError:
-        raise SystemExit(f"specplug graft calibrate: no such file {spec!r}") from None
-    return [chat_ids(tokenizer, text) for text in suites.load(spec).texts[:limit]]
-
-
-def _calibrate(args: argparse.Namespace) -> int:
+# ------------------------------------------------------------------ a run
+def calibrate(model: str, prompts: list[list[int]], *, options: dict,
+              num_speculative_tokens: int = 60, max_tokens: int = 128,
+              verify_cost: str | None = None, grid: int = 20) -> dict:
+    """Record, cost and fit (the module doc) on ``prompts`` (chat-formatted
+    token ids); returns what ``graft``'s ``calibration`` option loads."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_specplug.config import TOOL_KV_CACHE_BYTES
     from vllm_specplug.eagle3 import default_head_for
     from vllm_specplug.methods.graft import GraftConfig
-    from vllm_specplug.models.reference import reference_model_path
 
-    model = args.model or reference_model_path()
-    opts = json.loads(args.options)
-    cfg = GraftConfig(**opts)  # validates the options first, in one line
+    cfg = GraftConfig(**options)  # validates the options first, in one line
     head = cfg.head or default_head_for(model)
     if head is None:
-        raise SystemExit("specplug graft calibrate: no shipped head for this target; "
-                         "pass --options '{\"head\": DIR}'")
-    n = args.num_speculative_tokens
+        raise ValueError("no shipped head for this target; name one in the options "
+                         "('{\"head\": DIR}')")
+    n = num_speculative_tokens
     record = os.path.join(tempfile.mkdtemp(prefix="specplug-graft-"), "record.jsonl")
     llm = LLM(model=model, dtype="float32", seed=0, enable_prefix_caching=False,
               kv_cache_memory_bytes=TOOL_KV_CACHE_BYTES,
               speculative_config={"method": "graft", "num_speculative_tokens": n,
-                                  **opts, "record": record})
-    prompts = _prompts(args.prompts, args.limit, llm.get_tokenizer())
+                                  **options, "record": record})
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                 SamplingParams(temperature=0.0, max_tokens=args.max_tokens), use_tqdm=True)
+                 SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
     del llm
     conf, acc = read_records(record)
-    expansions = [*cfg.checkpoints, cfg.depth - 1]
-    head_ms = measure_head_ms(head, expansions, n, cfg.depth, cfg.topk)
-    step_ms = np.array(head_ms) + verify_ms(args.verify_cost, n)
-    thresholds, best = fit_thresholds(conf, acc, step_ms, args.grid)
-    out = {
+    head_ms = measure_head_ms(head, [*cfg.checkpoints, cfg.depth - 1], n, cfg.depth, cfg.topk)
+    step_ms = np.array(head_ms) + verify_ms(verify_cost, n)
+    thresholds, best = fit_thresholds(conf, acc, step_ms, grid)
+    unpruned = [0.0] * len(thresholds)
+    paper = [0.14, 0.14, 0.49][:len(thresholds)]  # the paper's Table 11
+    return {
         "checkpoints": list(cfg.checkpoints), "thresholds": thresholds,
         "tokens_per_ms": best,
-        "tokens_per_ms_unpruned": objective(conf, acc, step_ms, [0.0] * len(thresholds)),
-        "tokens_per_ms_table11": objective(conf, acc, step_ms, [0.14, 0.14, 0.49][:len(
-            thresholds)]),
+        "tokens_per_ms_unpruned": objective(conf, acc, step_ms, unpruned),
+        "tokens_per_ms_table11": objective(conf, acc, step_ms, paper),
         "mean_accepted_per_stage": acc.mean(axis=0).tolist(),
         "step_ms_per_stage": step_ms.tolist(), "head_ms_per_stage": head_ms,
-        "verify_cost": args.verify_cost, "steps": int(conf.shape[0]),
+        "verify_cost": verify_cost, "steps": int(conf.shape[0]),
         "model": os.path.basename(os.path.normpath(model)), "head": head,
-        "prompts": args.prompts, "num_prompts": len(prompts),
-        "num_speculative_tokens": n,
+        "num_prompts": len(prompts), "num_speculative_tokens": n,
     }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}: thresholds {['%.3f' % t for t in thresholds]} at "
-          f"checkpoints {cfg.checkpoints}; {best:.4f} tokens/ms vs "
-          f"{out['tokens_per_ms_unpruned']:.4f} unpruned over {out['steps']} steps")
-    return 0

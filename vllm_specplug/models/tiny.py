@@ -13,7 +13,8 @@
   (like SmolLM2).
 * model: hidden 256, 2 layers, 8 query heads / 4 KV heads, head_dim 32
   (vLLM's CPU attention supports head sizes >= 32; (8, 4) also avoids the
-  bf16 CPU-kernel SIGILL seen with (4, 2), (2, 1), (4, 1) heads), MLP 512,
+  SIGILL that vLLM's bf16 CPU kernel raises with (4, 2), (2, 1), (4, 1)
+  heads), MLP 512,
   untied ``lm_head``, ``max_position_embeddings`` 2048, float32.
 * weights: drawn from a seeded ``torch.Generator`` in sorted-name order (not
   via transformers' init, which may change between versions); norms are 1.

@@ -3,8 +3,8 @@
 vLLM runs the target's linear layers on CPU through kernels with prepacked
 weights (oneDNN, or SGL's on AMX machines), picked per layer by
 ``dispatch_cpu_unquantized_gemm``. A drafter built from plain ``nn.Linear``
-(the EAGLE-3 head) would run torch's unpacked GEMM instead, which here was
-3-4x slower for the head's shapes (its 12288 x 576 LM head: 2.3 vs 0.6 ms
+(the EAGLE-3 head) would run torch's unpacked GEMM instead, which is
+3-4x slower on a 2-core CPU for the head's shapes (its 12288 x 576 LM head: 2.3 vs 0.6 ms
 for one row, 4.6 vs 1.0 ms for ten). Handed to methods as
 ``ProposerContext.prepare_linears``; only drafts go through it, so the
 output stays lossless whatever the kernel's rounding.

@@ -46,6 +46,7 @@ from vllm_specplug.engine.verify import (
     draft_probs_tensor,
     relaxed_path,
 )
+from vllm_specplug.kernels.cache_layout import CPU_KV_LAYOUTS
 from vllm_specplug.runner.checks import (
     check_engine_config,
     check_graph_mode,
@@ -55,7 +56,6 @@ from vllm_specplug.runner.checks import (
 from vllm_specplug.runner.cpu_gemm import cpu_linear_routing, prepare_cpu_linears
 from vllm_specplug.runner.guard import guard_for
 from vllm_specplug.runner.tree_attention import (
-    CPU_KV_LAYOUTS,
     TreeAttentionWrapper,
     TreeRow,
     TreeStep,
@@ -557,7 +557,7 @@ class SpecplugRunnerMixin:
         try:
             if _no_draft_at_all(spec_decode_metadata, self.input_batch.sampling_metadata):
                 # vLLM runs its rejection sampler whenever speculation is
-                # configured, drafts or not (~4% of a batch-8 step here):
+                # configured, drafts or not (~4% of a batch-8 CPU step):
                 # with no draft in the step the plain sampler gives the same
                 # [requests, 1] tokens (the bonus rows are all the logits)
                 out = super()._sample(logits, None)
@@ -582,10 +582,10 @@ class SpecplugRunnerMixin:
             # Top-k and entropies only serve drafts (a method's tables and
             # triggers learn from them): a step whose gate is closed drafts
             # nothing and skips them, so a gated step costs what a plain one
-            # does. At batch 8 they were ~1 ms of a 40 ms step (`graft`:
-            # top-k of every row, `respec`: entropies), the bulk of what
-            # gated `graft`/`respec` paid over gated `eagle3_tree` (0.90-0.96x
-            # vs 0.97-1.02x, issue 21). What they would have taught is lost:
+            # does: `graft`'s top-k of every row and `respec`'s entropies
+            # are a few percent of a batch-8 CPU step, most of what a gated
+            # step of theirs would pay over plain decoding. What they would
+            # have taught is lost:
             # tables and entropy windows learn again from the next step that
             # drafts (an exploring one, or the gate open).
             self._sp_topk(logits, state)
@@ -770,9 +770,9 @@ class SpecplugRunnerMixin:
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         # vLLM drafts for no request once the batch's longest sequence is
         # within num_speculative_tokens of max_model_len: one long request
-        # would switch drafting off for every other one in the batch (at
-        # N=60 and batch 8 that cost eagle3_tree 8% of its tau on math).
-        # Each request's tree is cut to its own room instead
+        # would switch drafting off for every other one in the batch (the
+        # larger num_speculative_tokens, the earlier). Each request's tree is
+        # cut to its own room instead
         # (engine/interface.draft_budget).
         return common_attn_metadata is not None
 
@@ -1036,10 +1036,9 @@ class SpecplugRunnerMixin:
         drafting has paid once). Otherwise the prompt's LM-head pass
         (``Needs.prefill_topk``) is skipped: it only serves drafts, which do
         not pay now (or have not paid yet), and over a long prompt it costs
-        about a fifth of the prefill (issue 21: recycle/graft/adapld at
-        batch 8 on summarization). A closed gate's exploring steps skip it
-        too (one decoding request drafts there; a prompt arriving in such a
-        step cost ~50 ms: recycle at batch 8 lost 5-8 % that way)."""
+        about a fifth of the prefill. A closed gate's exploring steps skip
+        it too: one decoding request drafts there, and a prompt arriving in
+        such a step would pay the whole pass for that one request's draft."""
         needs = self._sp_needs
         if state is None or state.topk is None:
             return

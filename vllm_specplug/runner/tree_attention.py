@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from vllm_specplug.kernels.cache_layout import cpu_split_cache, gpu_split_cache, slot_views
+
 
 @dataclass
 class TreeRow:
@@ -120,52 +122,6 @@ class TreeStep:
         return self._gpu
 
 
-def cpu_split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU cache ``[blocks, kv_heads, block_size, 2*head]`` viewed as
-    key and value caches ``[blocks, kv_heads, block_size, head]`` (the same
-    view ``CPUAttentionBackendImpl`` takes)."""
-    nb, kvh, bs, two_d = kv_cache.shape
-    kv = kv_cache.view(nb, kvh, bs * 2, two_d // 2)
-    return kv[:, :, :bs], kv[:, :, bs:]
-
-
-def gpu_split_cache(kv_cache: torch.Tensor, head_size: int):
-    """FLASH_ATTN's and TRITON_ATTN's own split of a layer cache
-    ``[blocks, kv_heads, block_size, 2*head]`` into K and V views
-    ``[blocks, block_size, kv_heads, head]`` (``flash_attn.py``
-    ``do_kv_cache_update``/``forward``, ``triton_attn.py`` likewise)."""
-    return kv_cache.transpose(1, 2).split(head_size, dim=-1)
-
-
-def slot_views(kv_cache: torch.Tensor, head_size: int, layout: str):
-    """K and V of one layer as ``[blocks, block_size, kv_heads, head]`` views
-    of the cache's own memory (what ``kv_move`` moves slots in).
-
-    ``layout``: ``"gpu"`` (FLASH_ATTN/TRITON_ATTN), or one of
-    ``CPU_KV_LAYOUTS`` for vLLM's CPU backend.
-    """
-    if layout == "gpu":
-        return gpu_split_cache(kv_cache, head_size)
-    k, v = cpu_split_cache(kv_cache)
-    v = v.permute(0, 2, 1, 3)
-    if layout == "k_transposed":
-        # A key block is stored [kv_heads, head, block_size]: token t, dim e of
-        # head h at h*head*bs + e*bs + t inside the block.
-        nb, kvh, bs, d = k.shape
-        k = torch.as_strided(k, (nb, bs, kvh, d), (k.stride(0), 1, k.stride(1), bs),
-                             k.storage_offset())
-    else:
-        k = k.permute(0, 2, 1, 3)
-    return k, v
-
-
-# In-block layouts of vLLM's CPU cache seen per ISA path. "k_transposed"
-# (the vec/vec16 paths) stores a key block as [kv_heads, head, block_size] and a
-# value block as [kv_heads, block_size, head]. The runner picks the one that
-# survives a round trip through the backend's writer at start-up.
-CPU_KV_LAYOUTS = ("k_transposed", "plain")
-
-
 def context_blocks(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
     layout: str,
@@ -204,7 +160,8 @@ class TreeAttentionWrapper:
     """Wraps one attention layer's ``impl.forward`` (see module docstring)."""
 
     layout = "k_transposed"
-    """CPU: set once by the runner's start-up round trip (see CPU_KV_LAYOUTS)."""
+    """CPU: set once by the runner's start-up round trip (see
+    ``kernels.cache_layout.CPU_KV_LAYOUTS``)."""
 
     def __init__(self, layer_name: str, impl, get_step, gpu: bool | None = None) -> None:
         self.layer_name = layer_name
@@ -244,11 +201,11 @@ class TreeAttentionWrapper:
 def compact_cpu_metadata(meta, rows: list[TreeRow], impl, isa: str, dtype: torch.dtype):
     """vLLM's CPU attention metadata with the tree nodes taken out of their
     requests (None when it cannot be done safely: the backend then attends
-    every row, as before, and the nodes are recomputed all the same).
+    every row, and the nodes are recomputed all the same).
 
     The backend attends a tree's nodes causally, which is wrong for every
     node after the tree's leading chain, and the wrapper recomputes those
-    rows: at a 1000-token context that wasted work was about 7 ms of a
+    rows: at a 1000-token context that wasted work is about 7 ms of a
     53 ms 8-node step (the backend's kernel over 9 query rows instead of
     1). Here each tree request ends at its root (its sequence shortened by
     the nodes taken out), and the nodes become a request of their own that

@@ -24,7 +24,7 @@ slots ``[head, n)`` hold consecutive absolute positions starting at
 Hidden states are stored as 16-bit codes, ``hidden_format`` "bfloat16"
 (default) or "float16", plus the exact fp32 inverse norm of each row. bf16
 is the default: same size, no overflow clamping (fp16 saturates at 65504),
-and widening it back to fp32 in numpy is two integer ops, measured 3x faster
+and widening it back to fp32 in numpy is two integer ops, about 3x faster
 than fp16's (table lookup) on the reranking path; its 8-bit mantissa moves a
 cosine by ~1e-3, far below what separates candidates. Widening never uses a
 torch kernel: on small shapes torch's intra-op threads cost 10-100x more
@@ -46,7 +46,7 @@ import torch
 _FP16_MAX = 65504.0
 HIDDEN_FORMATS = ("bfloat16", "float16")
 
-# fp16 -> fp32 by table lookup (2x faster than numpy's astype here).
+# fp16 -> fp32 by table lookup (2x faster than numpy's astype).
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(
     np.float32
 )

@@ -39,8 +39,8 @@ class Rate:
         self.trials += trials
 
 
-# Priors before any feedback (per match length 1, 2, 3, 4+), roughly what
-# the reference model's Spec-Bench runs showed for pld's chains; the
+# Priors before any feedback (per match length 1, 2, 3, 4+), roughly the
+# acceptance of pld's chains on the reference model over Spec-Bench; the
 # feedback takes over after a few dozen drafts.
 FIRST_PRIOR = (0.35, 0.5, 0.6, 0.7)
 NEXT_PRIOR = (0.6, 0.7, 0.75, 0.8)

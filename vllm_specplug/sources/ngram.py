@@ -2,7 +2,7 @@
 
 The shared lexical retrieval piece: exact n-gram matching of the context's
 suffix against earlier prompt + output tokens, in numpy (no numba: importing
-numba breaks later vLLM worker starts, see README).
+numba breaks later vLLM worker starts, see ``plugin._ModulesWithoutLlvm``).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class EmbeddingSimilarity:
         if not self.on_cpu:
             return (rows @ q.T).cpu().numpy()
         # One matrix-vector product per query: on busy cores a threaded GEMM
-        # of these small shapes was measured 100x slower than a GEMV.
+        # of these small shapes can be 100x slower than a GEMV.
         out = np.empty((len(rows), len(q)), dtype=np.float32)
         for i in range(len(q)):
             out[:, i] = rows @ q[i]

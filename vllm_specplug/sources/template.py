@@ -52,7 +52,7 @@ PRESETS: dict[str, tuple[int, ...]] = {
 
 
 # Rank-path templates measured on the reference model (SmolLM2-135M-Instruct)
-# by ``python -m benchmarks.rank_acceptance`` (a replay of recycle's table
+# by ``python -m benchmarks.studies.rank_acceptance`` (a replay of recycle's table
 # over held-out Spec-Bench + HumanEval answers, see its docstring;
 # benchmarks/results/rank_acceptance.json): the ``n`` rank paths most often
 # followed by the target, with that share of positions. Their sum is the

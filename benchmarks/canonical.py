@@ -1,0 +1,109 @@
+"""The canonical result files and how ``benchmarks/RESULTS.md`` presents them.
+
+Every figure the documentation quotes comes from one of the files listed
+here; ``python -m benchmarks.report`` renders them (``benchmarks.results_md``)
+and ``--check`` fails when a generated file is stale. To replace a result,
+re-run its command (printed in RESULTS.md), overwrite the file under the same
+name and run ``python -m benchmarks.report``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+RESULTS_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``benchmarks.run`` file and the re-runs that re-measured some of
+    its cells with more repeats (shown beside it; in the summaries a re-run's
+    cell replaces the run's, the better estimate of the same thing)."""
+
+    file: str
+    title: str
+    about: str
+    reruns: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+
+# The headline runs: every method beside vLLM's built-ins, one file per batch size.
+ALL_METHODS = {
+    1: Run("all_methods_b1.json", "Every method, batch 1",
+           "Every specplug method beside vLLM's built-ins (`ngram`, `suffix`, `eagle3`) "
+           "and plain decoding, Spec-Bench's seven categories and HumanEval's odd half.",
+           reruns=(("all_methods_b1_repeats.json",
+                    "The run's two lowest specplug cells (one timed call each) "
+                    "re-measured with 3 repeats."),)),
+    8: Run("all_methods_b8.json", "Every method, batch 8",
+           "The same methods and suites with 8 requests in flight.",
+           reruns=(("all_methods_b8_recycle.json",
+                    "`recycle` re-measured alone beside plain decoding: it remembers "
+                    "earlier outputs, so each of its cells in the main run is one call."),)),
+}
+
+SHARED_MACHINE = (" Tau is the figure here: this run shared the machine with another, one core each, "
+                  "so the speedups are not a speed comparison.")
+
+# Each paper method's own matrix (pinned tree sizes, ablations, its baselines).
+METHOD_RUNS = (
+    Run("adapld_recycle_k8.json", "`adapld` and `recycle` against `pld`, k=8",
+        "Tau at a pinned budget of 8 (`cost_aware` off), batch 1 and 8."
+        + SHARED_MACHINE),
+    Run("adapld_recycle_k16.json", "`adapld` and `recycle` against `pld`, k=16",
+        "The same at a pinned budget of 16." + SHARED_MACHINE),
+    Run("eagle3_tree.json", "`eagle3_tree`: the EAGLE-3 head drafting trees",
+        "Trees of 16 and 60 nodes against vLLM's `eagle3` chain, pinned sizes, EOS ignored."
+        + SHARED_MACHINE),
+    Run("graft.json", "`graft`: head tree pruned and refilled from the adjacency table",
+        "Against `eagle3_tree` at the same N, with the paper's ablations; EOS ignored."
+        + SHARED_MACHINE),
+    Run("respec.json", "`respec`: entropy-triggered retrieval",
+        "Against `eagle3_tree`, `pld` and `suffix` at N=16." + SHARED_MACHINE),
+    Run("reader.json", "`reader`: retrieval trees on the head",
+        "Its context-only and datastore variants against `eagle3_tree` at N=16; "
+        "ceilings with the datastore." + SHARED_MACHINE),
+    Run("eagle3_head.json", "The shipped EAGLE-3 head against its predecessor",
+        "vLLM's own `eagle3`, k=4, on held-out ShareGPT prompts and three suites. "
+        "To re-run it, use `benchmarks/configs/eagle3_head.json`, with the previous head "
+        "taken from git history: `git show 79f49f4:vllm_specplug/eagle3/heads/"
+        "smollm2-135m-instruct/FILE` for FILE in config.json, model.safetensors and "
+        "specplug_eagle3.json, into `/tmp/eagle3_stage2/`."),
+    Run("respec_relaxed.json", "`respec` relaxed verification (lossy by design)",
+        "A grid of relaxed margins (`respec@tT-mM`: `relaxed_tau_nats` T, `relaxed_m` M); "
+        "the identical column is the share of outputs that still match plain decoding."),
+)
+
+VERIFY_COST = (
+    ("verify_cost.json", "Step cost against tree size, batch 1, 8 and 32 (eager)"),
+    ("verify_cost_ctx100.json", "Plain step against an 8-node tree step, 100-token context"),
+    ("verify_cost_ctx1000.json", "Plain step against an 8-node tree step, 1000-token context"),
+)
+
+SOAK_GLOB = "soak_*.json"
+
+# Outputs of the studies in benchmarks/studies/, linked, not tabulated.
+STUDY_OUTPUTS = (
+    ("respec_entropy.json", "benchmarks.studies.respec_entropy",
+     "the reference model's next-token entropies (chooses `respec`'s `theta_entropy`)"),
+    ("rank_acceptance.json", "benchmarks.studies.rank_acceptance",
+     "how often each successor-rank path is right (`recycle`'s measured templates)"),
+)
+
+
+@lru_cache(maxsize=None)
+def load(name: str) -> dict:
+    return json.loads((RESULTS_DIR / name).read_text(encoding="utf-8"))
+
+
+def files() -> list[str]:
+    """Every file RESULTS.md reads (for the test that they all exist)."""
+    names = [r.file for r in ALL_METHODS.values()]
+    names += [f for r in ALL_METHODS.values() for f, _ in r.reruns]
+    names += [r.file for r in METHOD_RUNS] + [f for f, _ in VERIFY_COST]
+    names += [f for f, _, _ in STUDY_OUTPUTS]
+    return names + sorted(p.name for p in RESULTS_DIR.glob(SOAK_GLOB))

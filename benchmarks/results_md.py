@@ -1,0 +1,393 @@
+"""Render ``benchmarks/RESULTS.md`` and the generated blocks of the docs.
+
+``python -m benchmarks.report`` writes both; ``--check`` compares them. A
+generated block in README.md or docs/**/*.md is the text between
+
+    <!-- BEGIN generated: benchmarks.report summary -->      (or: method NAME)
+    <!-- END generated -->
+
+and only that text is replaced; everything else in the file stays byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from pathlib import Path
+
+from benchmarks import canonical as C
+from benchmarks.report import record_draft_rate, record_tau, run_mode
+
+COMMAND = "python -m benchmarks.report"
+BLOCK = re.compile(r"(<!-- BEGIN generated: benchmarks\.report (summary|method ([\w@.-]+)) -->\n)"
+                   r"(.*?)(<!-- END generated -->)", re.S)
+SPEEDUP_NOTE = (
+    "Speedups are against stock vLLM plain decoding (`none`). The specplug engines also "
+    "run the plugin's CPU linear kernel, so a specplug speedup mixes speculation with that "
+    "kernel; tau (tokens per target pass) is the speculation figure.")
+
+
+def _f(value, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _rel(target: Path, from_file: Path) -> str:
+    return Path(os.path.relpath(target, from_file.parent)).as_posix()
+
+
+# ------------------------------------------------------------- cells
+def speedup_estimate(rec: dict) -> tuple[float | None, str, str]:
+    """(speedup, its min–max, how it was estimated) of one record."""
+    if rec["method"] == "none" or rec.get("method_kind") == "baseline":
+        return 1.0, "", "reference"
+    ratios = rec.get("paired_speedup_repeats") or []
+    walls = rec.get("wall_seconds_repeats") or []
+    first = rec.get("speedup_from") == "first repeat"
+    if ratios:
+        how = ("paired, first repeat only (remembers outputs)" if first
+               else f"paired, median of {len(ratios)} repeats" if len(ratios) > 1
+               else "paired, 1 repeat")
+    elif len(walls) > 1 and not first:
+        how = f"unpaired, median of {len(walls)} repeats"
+    else:
+        how = "unpaired, 1 repeat" + (" (remembers outputs)" if first else "")
+    spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else ""
+    return rec["speedup"], spread, how
+
+
+def _identical(rec: dict) -> str:
+    if rec["identical"] is None:
+        return "–"
+    if rec["identical"]:
+        return "yes"
+    return f"NO ({_f(rec.get('identical_fraction'), '.0%')})"
+
+
+def _ok(rec: dict | None) -> bool:
+    return rec is not None and rec["status"] == "ok"
+
+
+# ------------------------------------------------------------- one run
+def _commit(doc_git: dict | None) -> str:
+    if not doc_git or not doc_git.get("commit"):
+        return "not recorded"
+    return doc_git["commit"][:10] + (" (with uncommitted changes)" if doc_git.get("dirty") else "")
+
+
+def _machine(info) -> str:
+    if not info:
+        return "not recorded"
+    if not isinstance(info, dict):
+        return f"CPU model and flags not recorded ({info})"
+    flags = " ".join(info.get("isa") or []) or "not recorded"
+    return (f"{info.get('model_name') or info.get('processor') or 'CPU model not recorded'}, "
+            f"{info.get('cpus_available')} of {info.get('cpu_count')} CPUs, "
+            f"{info.get('memory_gib', '?')} GiB; vector flags: {flags}")
+
+
+def display_command(command: str, name: str) -> str:
+    """The run's command as a reader would re-run it: ``--out`` this file,
+    without the harness-local ``--log-dir``, one option per line."""
+    command = re.sub(r" --log-dir \S+", "", command)
+    parts = command.split(" ; ")
+    if len(parts) == 1:
+        return _wrap(re.sub(r"--out \S+", f"--out benchmarks/results/{name}", command))
+    return "\n".join(_wrap(re.sub(r"--out \S+", f"--out part{i}.json", one))
+                     for i, one in enumerate(parts, 1))
+
+
+def _wrap(command: str, width: int = 96) -> str:
+    lines, line = [], ""
+    for i, piece in enumerate(command.split(" --")):
+        piece = piece if i == 0 else "--" + piece
+        if line and len(line) + len(piece) + 1 > width:
+            lines.append(line)
+            line = "    " + piece
+        else:
+            line = f"{line} {piece}" if line else piece
+    return " \\\n".join(lines + [line])
+
+
+def file_link(name: str) -> str:
+    """A result file's link, with its plot's when there is one."""
+    png = Path(name).with_suffix(".png").name
+    plot = f" (plot: [`{png}`](results/{png}))" if (C.RESULTS_DIR / png).is_file() else ""
+    return f"[`{name}`](results/{name}){plot}"
+
+
+def run_header(doc: dict, name: str) -> list[str]:
+    run = doc["run"]
+    ver = run.get("versions") or {}
+    minutes = (run.get("total_seconds") or 0) / 60
+    parts = (" (run in parts, one command per part, joined after checking that every part's "
+             "plain decoding gave the same outputs)" if " ; " in run["command"] else "")
+    return [
+        f"- File: {file_link(name)}; measured {run['started_at'][:10]}, "
+        f"{minutes:.0f} min{parts}",
+        f"- Machine: {_machine(run.get('machine'))}",
+        f"- Commit: {_commit(run.get('git'))}; vLLM {ver.get('vllm')}, torch {ver.get('torch')}",
+        f"- Settings: {run['dtype']}, {run_mode(doc)}, greedy, {run['limit']} prompts x "
+        f"{run['max_tokens']} tokens per suite, k={run['num_speculative_tokens']} unless a "
+        f"method's options set its own, repeats {run.get('repeats', 1)}, {_pairing(run)}"
+        + (", EOS ignored" if run.get("ignore_eos") else ""),
+        "",
+        "```bash",
+        display_command(run["command"], name),
+        "```",
+        "",
+    ]
+
+
+def _pairing(run: dict) -> str:
+    if not run.get("paired"):
+        return "unpaired"
+    group = run.get("pair_group") or 1
+    return ("paired, one plain-decoding engine per method" if group == 1
+            else f"paired, up to {group} methods per plain-decoding engine")
+
+
+def run_table(doc: dict, batch: int) -> list[str]:
+    lines = ["| method | suite | tau | speedup | min–max | estimator | drafted | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    recs = [r for r in doc["records"] if r["batch_size"] == batch]
+    methods = [m for m in dict.fromkeys(r["method"] for r in recs) if m != "none"]
+    for m in methods:
+        for r in (x for x in recs if x["method"] == m):
+            if not _ok(r):
+                lines.append(f"| {m} | {r['suite']} | {r['status']} | | | "
+                             f"{(r.get('reason') or '')[:80]} | | |")
+                continue
+            speed, spread, how = speedup_estimate(r)
+            rate = record_draft_rate(r)
+            lines.append(f"| {m} | {r['suite']} | {_f(record_tau(r))} | {_f(speed)}x | "
+                         f"{spread} | {how} | {_f(rate, '.0%')} | {_identical(r)} |")
+    return lines + [""]
+
+
+def run_section(run: C.Run, level: str = "##") -> list[str]:
+    doc = C.load(run.file)
+    out = [f"{level} {run.title}", "", run.about, ""] + run_header(doc, run.file)
+    for b in doc["run"]["batch_sizes"]:
+        out += [f"Batch {b}:", ""] + run_table(doc, b)
+    for name, about in run.reruns:
+        sub = C.load(name)
+        out += [f"Re-run: {about}", ""] + run_header(sub, name)
+        for b in sub["run"]["batch_sizes"]:
+            out += run_table(sub, b)
+    return out
+
+
+# ------------------------------------------------------------- other results
+def verify_cost_section() -> list[str]:
+    out = ["## Cost of one verification step", "",
+           "`python -m benchmarks.verify_cost`: a step verifying a random tree of S nodes "
+           "(that accepts nothing) against a plain step, in milliseconds; the ratio is the "
+           "tree's cost in plain steps.", ""]
+    for name, title in C.VERIFY_COST:
+        doc = C.load(name)
+        meta = doc["meta"]
+        out += [f"### {title}", "",
+                f"- File: {file_link(name)}; {meta.get('dtype')}, "
+                + ("eager" if meta.get("enforce_eager", True) else "compiled")
+                + f", {meta.get('steps')} steps per timing"
+                + (f", {meta['repeats']} paired repeats" if meta.get("repeats") else ""),
+                f"- Machine: {_machine(meta.get('machine'))}",
+                f"- Commit: {_commit(meta.get('git'))}", ""]
+        out += (_cost_pairs(doc) if meta.get("repeats") else _cost_grid(doc)) + [""]
+    return out
+
+
+def _cost_grid(doc: dict) -> list[str]:
+    recs = doc["records"]
+    sizes = sorted({r["tree_size"] for r in recs})
+    out = ["| batch | " + " | ".join("plain" if s == 0 else f"tree {s}" for s in sizes) + " |",
+           "|---" * (len(sizes) + 1) + "|"]
+    for b in sorted({r["batch_size"] for r in recs}):
+        row = {r["tree_size"]: r for r in recs if r["batch_size"] == b}
+        out.append(f"| {b} | " + " | ".join(
+            f"{row[s]['step_ms']:.0f} ms" + ("" if s == 0 else f" ({row[s]['relative_to_plain']:.1f}x)")
+            if s in row else "" for s in sizes) + " |")
+    return out
+
+
+def _cost_pairs(doc: dict) -> list[str]:
+    out = ["| tree nodes | step (median) | x vLLM plain step (min–max) | "
+           "x the plugin's plain step (min–max) |", "|---|---|---|---|"]
+    for r in doc["records"]:
+        if r["tree_size"] == 0:
+            out.append(f"| 0 (vLLM plain) | {r['step_ms']:.1f} ms | 1.00 | "
+                       f"plugin plain {_f(r.get('plugin_plain_step_ms'), '.1f')} ms |")
+            continue
+        cells = []
+        for key in ("relative_to_plain", "relative_to_plugin_plain"):
+            reps = r.get(f"{key}_repeats") or []
+            cells.append(f"{_f(r.get(key))}" + (f" ({min(reps):.2f}–{max(reps):.2f})" if reps else ""))
+        out.append(f"| {r['tree_size']} | {r['step_ms']:.1f} ms | {cells[0]} | {cells[1]} |")
+    return out
+
+
+def soak_section() -> list[str]:
+    out = ["## Soak runs", "",
+           "`python -m benchmarks.soak`: an OpenAI-compatible server under concurrent mixed "
+           "requests (with aborts) for the stated duration; every check must pass.", "",
+           "| method | file | seconds | requests (aborted) | greedy answers compared "
+           "(mismatches) | RSS growth after warm-up | passed | machine | commit |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(C.RESULTS_DIR.glob(C.SOAK_GLOB)):
+        d = C.load(path.name)
+        srv = d.get("spec_server") or {}
+        out.append(f"| {d['method']} | [`{path.name}`](results/{path.name}) | "
+                   f"{d['duration_s']:.0f} | {srv.get('requests')} ({srv.get('aborted')}) | "
+                   f"{d.get('greedy_compared')} ({d.get('greedy_mismatches')}) | "
+                   f"{_f(srv.get('rss_growth_after_warmup'), '.1%')} | "
+                   f"{'yes' if d['passed'] else 'NO'} | {_machine(d.get('machine'))} | "
+                   f"{_commit(d.get('git'))} |")
+    return out + [""]
+
+
+# ------------------------------------------------------------- RESULTS.md
+def results_md() -> str:
+    out = ["# Benchmark results", "",
+           f"Generated by `{COMMAND}` from the canonical files in `benchmarks/results/` "
+           "(listed in `benchmarks/canonical.py`). Do not edit by hand: re-run the command "
+           f"(`{COMMAND} --check` fails when this file is stale). How the figures are "
+           "measured: [docs/benchmarks.md](../docs/benchmarks.md).", "",
+           "How to read the tables:", "",
+           "- **tau**: tokens per target pass, generated / (generated − accepted), pooled "
+           "over a suite. It depends only on what a method drafts, not on the machine.",
+           f"- **speedup**: tokens/s over plain decoding's. {SPEEDUP_NOTE}",
+           "- **min–max** and **estimator**: a paired speedup is the median of the ratios of "
+           "calls timed in turn with a plain-decoding engine; a method that remembers "
+           "earlier outputs is timed once per suite (a repeat would replay its memory).",
+           "- **drafted**: drafts per target pass, the share of steps in which the method "
+           "proposed anything.",
+           "- **identical**: every output token-identical to plain decoding's.",
+           "- Plain decoding (`none`) is the reference of every table: tau 1.00, speedup 1.00x.",
+           ""]
+    out += ["## Contents", ""] + [
+        f"- {r.title}" for r in (*C.ALL_METHODS.values(), *C.METHOD_RUNS)] + [
+        "- Cost of one verification step", "- Soak runs", "- Study outputs", ""]
+    for run in C.ALL_METHODS.values():
+        out += run_section(run)
+    for run in C.METHOD_RUNS:
+        out += run_section(run)
+    out += verify_cost_section() + soak_section()
+    out += ["## Study outputs", ""] + [
+        f"- {file_link(name)} (`python -m {cmd}`): {what}"
+        for name, cmd, what in C.STUDY_OUTPUTS] + [""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+# ------------------------------------------------------------- blocks
+def best_cells(batch: int) -> dict[tuple[str, str], tuple[dict, bool]]:
+    """(method, suite) -> (record, re-measured) of the all-methods run at
+    ``batch``, a re-run's record replacing the run's for the cells it has."""
+    run = C.ALL_METHODS[batch]
+    cells = {(r["method"], r["suite"]): (r, False)
+             for r in C.load(run.file)["records"] if r["batch_size"] == batch}
+    for name, _ in run.reruns:
+        for r in C.load(name)["records"]:
+            if r["method"] != "none" and r["batch_size"] == batch and _ok(r):
+                cells[(r["method"], r["suite"])] = (r, True)
+    return cells
+
+
+def _range(values: list[float], spec: str = ".2f", unit: str = "") -> str:
+    if not values:
+        return "–"
+    lo, hi = format(min(values), spec), format(max(values), spec)
+    return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
+
+
+def summary_block(link: str) -> str:
+    batches = sorted(C.ALL_METHODS)
+    cells = {b: best_cells(b) for b in batches}
+    methods = list(dict.fromkeys(m for b in batches for m, _ in cells[b] if m != "none"))
+    n_suites = len({s for _, s in cells[batches[0]]})
+    lines = ["| method | " + " | ".join(f"tau, batch {b} | speedup, batch {b}" for b in batches)
+             + " |", "|---" * (1 + 2 * len(batches)) + "|"]
+    for m in methods:
+        row, builtin = [], False
+        for b in batches:
+            recs = [r for (mm, _), (r, _) in cells[b].items() if mm == m and _ok(r)]
+            builtin |= any(r["method_kind"] == "vllm" for r in recs)
+            row += [_range([record_tau(r) for r in recs if record_tau(r) is not None]),
+                    _range([r["speedup"] for r in recs if r["speedup"] is not None], unit="x")]
+        name = f"{m} (vLLM built-in)" if builtin else m
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    machine = _machine(C.load(C.ALL_METHODS[batches[0]].file)["run"].get("machine"))
+    lines += ["", f"Lowest–highest over {n_suites} suites (Spec-Bench's categories and "
+              f"HumanEval; a cell re-measured with repeats counts with its re-run), "
+              f"{machine}; tau is tokens per target pass. {SPEEDUP_NOTE} "
+              f"Every figure, with how it was measured: [RESULTS.md]({link})."]
+    return "\n".join(lines)
+
+
+def method_block(method: str, link: str) -> str:
+    batches = sorted(C.ALL_METHODS)
+    cells = {b: best_cells(b) for b in batches}
+    suites = list(dict.fromkeys(s for b in batches for _, s in cells[b]))
+    if not any((method, s) in cells[b] for b in batches for s in suites):
+        return f"`{method}` is not in the all-methods runs; see [RESULTS.md]({link})."
+    lines = ["| suite | " + " | ".join(f"tau, batch {b} | speedup, batch {b}" for b in batches)
+             + " |", "|---" * (1 + 2 * len(batches)) + "|"]
+    marked = False
+    for s in suites:
+        row = []
+        for b in batches:
+            rec, again = cells[b].get((method, s), (None, False))
+            if not _ok(rec):
+                row += ["–", "–"]
+                continue
+            marked |= again
+            row += [_f(record_tau(rec)), _f(rec["speedup"]) + "x" + (" *" if again else "")]
+        lines.append(f"| {s} | " + " | ".join(row) + " |")
+    lines += ["", (f"* re-measured with more repeats. " if marked else "") + SPEEDUP_NOTE
+              + f" Runs, machine and commands: [RESULTS.md]({link})."]
+    return "\n".join(lines)
+
+
+def fill_blocks(text: str, path: Path) -> str:
+    """``text`` of the file at ``path`` with every generated block re-rendered."""
+    link = _rel(C.RESULTS_MD, path)
+
+    def render(m: re.Match) -> str:
+        body = summary_block(link) if m.group(2) == "summary" else method_block(m.group(3), link)
+        return f"{m.group(1)}\n{body}\n\n{m.group(5)}"
+
+    return BLOCK.sub(render, text)
+
+
+def documents() -> list[Path]:
+    """README.md and every Markdown file under docs/."""
+    found = [C.REPO_ROOT / "README.md"] + sorted((C.REPO_ROOT / "docs").rglob("*.md"))
+    return [p for p in found if p.is_file()]
+
+
+def _read(path: Path) -> str:
+    # bytes, not text mode: a file's line endings must survive untouched
+    return path.read_bytes().decode("utf-8")
+
+
+def expected() -> dict[Path, str]:
+    """Every generated file and document with blocks, as it should read now."""
+    out = {C.RESULTS_MD: results_md()}
+    for path in documents():
+        text = _read(path)
+        if BLOCK.search(text):
+            out[path] = fill_blocks(text, path)
+    return out
+
+
+def stale() -> list[Path]:
+    return [p for p, text in expected().items()
+            if not p.is_file() or _read(p) != text]
+
+
+def write() -> list[Path]:
+    changed = stale()
+    for path, text in expected().items():
+        if path in changed:
+            path.write_bytes(text.encode("utf-8"))
+    return changed

@@ -1,0 +1,67 @@
+"""Prompt suites: splits that keep a datastore's prompts out of its measurement,
+and the held-out suites no store or calibration may use."""
+
+import pytest
+
+from vllm_specplug import suites
+
+
+def test_even_odd_halves_partition_the_suite():
+    full = suites.load("humaneval")
+    even, odd = suites.load("humaneval:even"), suites.load("humaneval:odd")
+    assert even.texts == full.texts[0::2] and odd.texts == full.texts[1::2]
+    assert len(even.texts) + len(odd.texts) == len(full.texts) == 164
+    assert not set(even.texts) & set(odd.texts)
+    assert odd.name == "humaneval:odd"
+
+
+def test_unknown_suffix_is_a_clear_error():
+    with pytest.raises(ValueError, match="':even' or ':odd'"):
+        suites.load("gsm8k:first")
+
+
+def test_sharegpt_suite_is_the_held_out_head_and_training_uses_only_later_ones():
+    """The `sharegpt` suite evaluates heads: its conversations come only from
+    the first 10,000, and the training source `sharegpt` only from later ones,
+    so the two never share a conversation."""
+    from vllm_specplug.corpus import SHAREGPT_HELDOUT, sharegpt_user_turns
+    from vllm_specplug.eagle3.prompts import collect_prompts
+
+    held = list(sharegpt_user_turns(0, SHAREGPT_HELDOUT))
+    assert SHAREGPT_HELDOUT == 10_000 and held and max(i for i, _, _ in held) < 10_000
+    suite = suites.load("sharegpt")
+    assert suite.texts == [turns[0] for _, _, turns in held]
+    train = collect_prompts("sharegpt")
+    idx = [int(r["id"].split("/")[1]) for r in train]
+    assert len(train) > 1000 and min(idx) >= 10_000
+    # the dump repeats chats and splits long ones (ID_0, ID_1): none of those
+    # may reach training either
+    norm = lambda t: " ".join(t.split()).lower()  # noqa: E731
+    assert not {norm(r["turns"][0]) for r in train} & {norm(t) for t in suite.texts}
+
+
+def test_tokenize_records_the_texts_it_used(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    s = suites.Suite("x", "mem", ["short", "x" * 5000, "also short", "third"])
+    suites.tokenize(s, tok, limit=2, max_prompt_len=200)
+    assert s.used_texts == ["short", "also short"]
+
+
+
+@pytest.mark.parametrize("name", ["specbench", "specbench:mt_bench", "specbench:math_reasoning",
+                                  "specbench:writing", "mtbench", "gsm8k", "gsm8k:even",
+                                  "sharegpt", "sharegpt:odd", "humaneval", "humaneval:odd",
+                                  "specbench:rag", "specbench:summarization"])
+def test_held_out_suites_are_refused(name):
+    assert suites.held_out_reason(name)
+    with pytest.raises(ValueError, match=name):
+        suites.check_not_held_out(["humaneval:even", name], "may not use")
+
+
+@pytest.mark.parametrize("name", ["humaneval:even", "specbench:qa", "specbench:translation",
+                                  "/data/my_prompts.jsonl"])
+def test_calibration_suites_are_allowed(name):
+    assert suites.held_out_reason(name) is None
+    suites.check_not_held_out([name], "may not use")
