@@ -53,6 +53,7 @@ def test_specplug_method_becomes_custom_class_with_own_worker(tiny_model):
     assert cfg.additional_config["specplug"] == {
         "method": "pld",
         "options": {"cost_aware": True, "closed_batch_values": False,
+                    "max_request_faults": 3, "isolation": "salt",
                     "prompt_lookup_max": 3, "prompt_lookup_min": 1,
                     "tree_branches": 1, "branch_len": 4},
     }

@@ -11,9 +11,9 @@ user's dict into a validated config is the registry's job
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 # The key under VllmConfig.additional_config that carries the method to the
 # engine core and workers (it is pickled with the config).
@@ -77,6 +77,26 @@ class MethodConfig(BaseModel):
     which request finishes last, and the weights cut drafts that pay -- at
     batch 8 `pld` loses a large part of its speedup there -- while where
     requests do run to ``max_tokens`` the gain is within the noise."""
+
+    max_request_faults: int = Field(default=3, ge=0)
+    """A request whose method hooks (``add_request``, ``propose``, ...)
+    fail this many times in a row stops drafting for the rest of its life:
+    it decodes plainly and the method no longer sees it
+    (``runner/guard.py``; counted as ``requests_stopped_drafting``). A
+    single fault only costs that request its draft for one step. 0 never
+    stops a request."""
+
+    isolation: Literal["salt", "strict", "off"] = "salt"
+    """Whose state a request may draft from, for methods that keep state
+    across requests (a suffix tree of earlier outputs, an adjacency table
+    that learns). ``salt``: only that of requests with the same
+    ``cache_salt`` (vLLM's own field, which keys its prefix cache the same
+    way); requests without a salt share one public pool. ``strict``: no
+    cross-request state at all; every request drafts from its own tokens
+    only. ``off``: one pool shared by every request, the most acceptance,
+    but a user's acceptance (latency, streamed chunk sizes, per-request
+    speculative metrics) then depends on other users' text. Verification is
+    exact in every mode: no one ever receives another's tokens."""
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()

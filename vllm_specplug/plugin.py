@@ -20,6 +20,7 @@ import os
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY, GRAPH_KEY
+from vllm_specplug.tenancy import ISOLATION_SHARES, install_engine_core_hook
 
 # A child of vLLM's logger, so the line shows with vLLM's own start-up log.
 logger = logging.getLogger("vllm.specplug")
@@ -34,10 +35,14 @@ _WORKERS = {
 def register() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
+    from vllm_specplug.metrics import install_stats_hooks
+
     _guard_kernel_rebind()
     _fix_compile_cache()
     _hash_graph_not_options()
-    _refuse_relaxed_unsupported_requests()
+    _validate_specplug_requests()
+    install_engine_core_hook()
+    install_stats_hooks()
     if getattr(EngineArgs.create_engine_config, "_specplug", False):
         return
     original = EngineArgs.create_engine_config
@@ -92,11 +97,45 @@ def relaxed_refusal(params) -> str | None:
     return None
 
 
-def _refuse_relaxed_unsupported_requests() -> None:
-    """Request validation in the front end: an engine whose specplug method
-    has ``relaxed_lossy`` on refuses, in one line (an HTTP 400 in the
-    server), the requests relaxed verification cannot serve."""
+def check_request(params, spec: dict) -> None:
+    """Refuse, with a ``VLLMValidationError`` naming the field (an HTTP 400
+    in the server), a request this specplug engine (``spec``: its
+    ``additional_config`` entry) cannot serve as asked: a bad ``specplug_*``
+    extension field (``request_flags``), an opt-in to relaxed verification
+    the server does not allow, or a request relaxed verification would
+    apply to but cannot serve (``relaxed_refusal``)."""
     from vllm.exceptions import VLLMValidationError
+
+    from vllm_specplug import request_flags as flags
+
+    extra = params.extra_args
+    try:
+        flags.check_extra_args(extra)
+    except flags.RequestFlagError as e:
+        raise VLLMValidationError(str(e), parameter=e.field) from None
+    mode = spec.get("options", {}).get("relaxed_lossy") or False
+    if flags.asked_relaxed(extra) and not mode:
+        raise VLLMValidationError(
+            f"vllm_xargs['{flags.RELAXED}']: method '{spec.get('method')}' on this server "
+            "does not allow relaxed (LOSSY) verification", parameter=flags.RELAXED)
+    if not flags.wants_relaxed(extra, mode):
+        return
+    problem = relaxed_refusal(params)
+    if problem:
+        opted_in = flags.asked_relaxed(extra)
+        how = (f"vllm_xargs['{flags.RELAXED}'] asks for" if opted_in
+               else "speculative_config['relaxed_lossy'] is on:")
+        raise VLLMValidationError(
+            f"{how} LOSSY greedy-only verification: {problem}",
+            parameter=flags.RELAXED if opted_in else "temperature")
+
+
+def _validate_specplug_requests() -> None:
+    """Request validation in the front end (``check_request``), wrapped
+    around vLLM's own; it runs in the API server process and, offline, in
+    the caller's, on every request, so it stays cheap. Engines without a
+    specplug method are left alone (other plugins may use the same
+    extension field names)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
@@ -107,13 +146,8 @@ def _refuse_relaxed_unsupported_requests() -> None:
     def _validate_params(self, params, *args, **kwargs):
         out = original(self, params, *args, **kwargs)
         spec = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-        if (isinstance(params, SamplingParams) and isinstance(spec, dict)
-                and spec.get("options", {}).get("relaxed_lossy")):
-            problem = relaxed_refusal(params)
-            if problem:
-                raise VLLMValidationError(
-                    f"speculative_config['relaxed_lossy'] is on (LOSSY greedy-only "
-                    f"verification): {problem}", parameter="temperature")
+        if isinstance(params, SamplingParams) and isinstance(spec, dict):
+            check_request(params, spec)
         return out
 
     _validate_params._specplug = True
@@ -208,11 +242,9 @@ def rewrite(spec: dict, worker_cls: str, additional: dict | None):
     worker class, additional_config)."""
     from vllm.platforms import current_platform
 
-    from vllm_specplug.metrics import stats_id
     from vllm_specplug.version import check_vllm_version
 
     check_vllm_version()
-    stats_id()  # before any engine process starts: they inherit it
     method, config, vllm_keys = registry.resolve(spec)
     device = current_platform.device_type
     if device not in _WORKERS:
@@ -225,6 +257,8 @@ def rewrite(spec: dict, worker_cls: str, additional: dict | None):
     additional = dict(additional or {})
     additional[ADDITIONAL_CONFIG_KEY] = {"method": method, "options": config.to_dict()}
     vllm_spec = {**vllm_keys, "method": "custom_class", "model": _DRAFTER}
+    logger.info("specplug: isolation=%s (%s)", config.isolation,
+                ISOLATION_SHARES[config.isolation])
     return vllm_spec, _WORKERS[device], additional
 
 

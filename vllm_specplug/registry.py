@@ -127,7 +127,20 @@ def resolve(raw: dict[str, Any]) -> tuple[str, MethodConfig, dict[str, Any]]:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise option_error("num_speculative_tokens", f"must be a positive integer (got {n!r})")
     config.check_against(n)
+    check_isolation(method, config)
     return method, config, theirs
+
+
+def check_isolation(method: str, config: MethodConfig) -> None:
+    """Refuse a method that drafts from earlier requests' outputs but does
+    not keep them per tenant (``Proposer.tenant_aware``), unless the engine
+    shares everything anyway (``isolation: off``)."""
+    cls = get(method)
+    if cls.remembers_outputs and not cls.tenant_aware and config.isolation != "off":
+        raise option_error(
+            "isolation", f"method '{method}' keeps other requests' outputs without "
+            "keeping them apart by tenant (cache_salt); it can run only with "
+            "isolation 'off' (every request drafts from every other's)", repr(config.isolation))
 
 
 def _vllm_spec_fields() -> set[str]:

@@ -97,6 +97,7 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # test_group_turns_and_plan_groups checks the turn order without engines
 @pytest.mark.timeout(600)
 def test_paired_run_times_the_two_engines_in_turn(tmp_path):
     """``--paired``: plain decoding's engine is up beside the method's and
@@ -136,6 +137,7 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # test_group_turns_and_plan_groups checks the turn order without engines
 @pytest.mark.timeout(900)
 def test_pair_group_times_several_methods_beside_one_baseline(tmp_path):
     """``--pair-group 2``: `pld` and `suffix_tree` share one plain-decoding

@@ -38,7 +38,9 @@ def test_store_counts_what_the_corpus_holds(store_dir, tiny_model):
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     store = open_sa_datastore(store_dir, vocab_size=len(tok), tokenizer=tiny_model)
-    assert isinstance(store.tokens, np.memmap)
+    # In memory, read-only: a file changed on disk later cannot reach the server.
+    for arr in (store.tokens, store.sa):
+        assert not isinstance(arr, np.memmap) and not arr.flags.writeable
     key = tok("the cat sat on the", add_special_tokens=False)["input_ids"]
     ids, counts = store.next_token_counts(key)
     want = {}

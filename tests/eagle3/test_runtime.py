@@ -182,9 +182,11 @@ def test_prefix_store_fills_cached_blocks(setup):
     head, ids, aux = setup
     rt = _runtime(head)
     m = len(ids)
+    rt.bind("a", "public")  # the store serves requests of one tenant
     rt.extend([("a", 0, ids, aux[:-1])])
     rt.remove("a")
     rt.add("b")
+    rt.bind("b", "public")
     rt.extend([("b", 32, ids, aux[32:-1])])
     assert rt.ready("b", m) and rt.stats.store_hits == 1
     drafts, _ = _ref_chain(head, ids, aux, m, 4)
@@ -192,6 +194,7 @@ def test_prefix_store_fills_cached_blocks(setup):
     other = ids.copy()
     other[5] = (other[5] + 1) % 1000
     rt.add("c")
+    rt.bind("c", "public")
     rt.extend([("c", 32, other, aux[32:-1])])
     assert not rt.ready("c", m) and rt.stats.store_misses == 1
     assert rt.draft(["c"], [4], depth=4, topk=1) == [None]

@@ -59,7 +59,7 @@ def _proposer(parts, n=60, **opts) -> GraftProposer:
     g = torch.Generator().manual_seed(2)
     toks = torch.arange(VOCAB)
     succ = torch.stack([torch.randperm(VOCAB, generator=g)[:8] for _ in range(4)])
-    prop.adjacency.table.update(toks, succ[toks % 4])
+    prop.adjacency.pristine.update(toks, succ[toks % 4])  # a warm start
     return prop
 
 
@@ -90,6 +90,32 @@ def test_merged_tree_has_the_stage_node_counts(parts, n, thresholds, expect):
     assert sum(prop.stage_steps) == 1
     # siblings are unique: merged (parent, token) pairs are one node
     assert len(set(zip(tree.parents, tree.tokens))) == len(tree)
+
+
+def test_retrieval_reads_the_requests_own_tenant_table(parts):
+    """Tenant A's prompt teaches the adjacency table A's; in one batch, A's
+    next request retrieves from it and B's (same tokens) finds nothing,
+    as a request without a tenant."""
+    from vllm_specplug.engine.interface import StepRequest
+
+    ref_model, embed, aux, toks = parts
+    prop = GraftProposer(GraftConfig(thresholds=[1.0, 1.0, 1.0]),  # pruned at d0: 8 + 52
+                         _ctx(ref_model, VOCAB, HIDDEN, embed, n=60))
+    chain = torch.as_tensor(toks[:-1])
+    teach = torch.stack([chain + 1 + r for r in range(8)], dim=1)  # t -> t+1, t+2, ...
+    propose(prop, [StepRequest(req_id="a1", token_ids=toks, num_prompt_tokens=40,
+                               sampled=False, verified_pos=0, aux_hidden=aux,
+                               topk_ids=teach, tenant="t:a")])
+    batch = [StepRequest(req_id=rid, token_ids=toks[:21], num_prompt_tokens=20, sampled=True,
+                         verified_pos=0, aux_hidden=aux[:20], tenant=tenant)
+             for rid, tenant in (("a2", "t:a"), ("b1", "t:b"), ("n1", None))]
+    a2, b1, n1 = propose(prop, batch)
+    retrieved = [Counter(t.sources)["adjacency"] for t in (a2, b1, n1)]
+    assert retrieved[0] > 0 and retrieved[1:] == [0, 0]
+    assert 1021 in a2.tokens  # the successor A's prompt taught for the root 1020
+    for rid in ("a1", "a2", "b1", "n1"):
+        prop.remove_request(rid)
+    assert prop.adjacency.num_requests == 0
 
 
 def test_pruning_saves_head_rows_and_ablations(parts):

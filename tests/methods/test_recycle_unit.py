@@ -10,12 +10,25 @@ from pydantic import ValidationError
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.sources.adjacency import AdjacencyTable
 from vllm_specplug.sources.adjacency_drafter import AdjacencyDrafter
-from vllm_specplug.engine.interface import Needs, ProposerContext, StepRequest
+from vllm_specplug.engine.interface import Needs, ProposerContext
+from vllm_specplug.engine.interface import StepRequest as _StepRequest
 from vllm_specplug.methods.recycle import RecycleConfig, RecycleProposer
+from vllm_specplug.tenancy import PUBLIC
 from tests.methods.budget import propose
 
 VOCAB, K = 100, 8
 PERIOD = [5, 9, 3, 7, 11, 2, 40, 41, 42, 43, 44]  # distinct tokens: one successor each
+
+
+def StepRequest(*args, tenant: str | None = PUBLIC, **kw) -> _StepRequest:
+    """The requests of these tests share the public tenant's table unless
+    they name another (tests/sources/test_adjacency_tenancy.py isolates)."""
+    return _StepRequest(*args, tenant=tenant, **kw)
+
+
+def _table(p: RecycleProposer, tenant: str = PUBLIC) -> AdjacencyTable:
+    """The table a tenant's requests learn in."""
+    return p.drafter.tenant_table(tenant)
 
 
 def _ctx(n_spec: int = 20, max_model_len: int = 4096) -> ProposerContext:
@@ -68,7 +81,7 @@ def test_config_defaults_and_needs():
     p = RecycleProposer(cfg, _ctx())
     assert p.needs() == Needs(topk=8, prefill_topk=True, tree_topk=True)
     assert RecycleProposer.name == "recycle" and RecycleProposer.config_cls is RecycleConfig
-    assert p.table.table.shape == (VOCAB, 8)
+    assert p.drafter.pristine.table.shape == (VOCAB, 8)
 
 
 def test_config_validation():
@@ -116,7 +129,7 @@ def test_unsampled_chunk_learns_but_does_not_draft():
     p = _proposer()
     (out,) = propose(p, [_prefill("a", PERIOD, sampled=False)])
     assert out is None
-    assert p.table.table[5, 0].item() == 9 and p.table.num_filled() == len(PERIOD)
+    assert _table(p).table[5, 0].item() == 9 and _table(p).num_filled() == len(PERIOD)
 
 
 def test_cold_table_gives_no_draft():
@@ -142,12 +155,12 @@ def test_decode_step_learns_from_every_tree_node():
         node_tokens=tree_tokens, node_topk_ids=node_topk,
     )
     (tree,) = propose(p, [req])
-    assert p.table.table[50, 0].item() == 8  # a rejected node still taught us
-    assert p.table.table[4, 0].item() == 3
+    assert _table(p).table[50, 0].item() == 8  # a rejected node still taught us
+    assert _table(p).table[4, 0].item() == 3
     # Token 3 was verified twice; the accepted path's row (the real context)
     # is applied last and wins over the rejected branch's.
-    assert p.table.table[3, 0].item() == 77
-    assert p.table.table[3, 1].item() == 61
+    assert _table(p).table[3, 0].item() == 77
+    assert _table(p).table[3, 1].item() == 61
     assert tree is None  # nothing known after 77 yet
 
 
@@ -161,7 +174,7 @@ def test_prefill_rows_given_twice_are_learned_once():
         node_tokens=torch.tensor(seq), node_topk_ids=topk,
     )
     propose(p, [req])
-    assert p.table.table[5, 0].item() == 9 and p.table.num_filled() == len(seq)
+    assert _table(p).table[5, 0].item() == 9 and _table(p).num_filled() == len(seq)
     assert p.drafter.rows(req)[0][0].tolist() == seq and len(p.drafter.rows(req)[0]) == 1
 
 
@@ -198,12 +211,14 @@ def test_shared_table_crosses_requests_per_request_tables_do_not():
         p = _proposer(per_request_tables=isolated)
         p.add_request("a")
         p.add_request("b")
+        # b's first step comes before a's prompt: its own table is taken then
+        assert propose(p, [StepRequest("b", np.array([9]), 1, True, 0)]) == [None]
         propose(p, [_prefill("a", PERIOD, sampled=False)])
         (tree_b,) = propose(p, [StepRequest("b", np.array([9]), 1, True, 0)])
         if isolated:
-            # b arrived before a's prompt: its own table never saw it; the
-            # shared one did, and a request arriving now starts from it
-            assert tree_b is None and p.table.num_filled() == len(PERIOD)
+            # b's own table never saw a's prompt; the tenant's one did, and
+            # a request stepping now starts from it
+            assert tree_b is None and _table(p).num_filled() == len(PERIOD)
             p.add_request("c")
             (tree_c,) = propose(p, [StepRequest("c", np.array([9]), 1, True, 0)])
             assert tree_c.tokens[0] == 3
@@ -221,7 +236,7 @@ def test_warm_start_from_file(tmp_path):
     warm.update(torch.tensor([9]), _oracle_topk([9, 3])[:1])
     warm.save(path)
     p = _proposer(table_path=path, topk=4)
-    assert p.table.k == 4 and p.table.table[9, 0].item() == 3
+    assert p.drafter.pristine.k == 4 and p.drafter.pristine.table[9, 0].item() == 3
     (tree,) = propose(p, [StepRequest("a", np.array([9]), 1, True, 0)])
     assert tree.tokens[0] == 3
     AdjacencyTable(VOCAB + 1, 8).save(path)
@@ -247,7 +262,9 @@ def test_stats_report_table_size_and_step_costs():
     req.topk_probs = torch.full((1, 4), 0.25)
     propose(prop, [req])
     st = prop.report()
-    assert st["table_bytes"] == 50 * 4 * 4 and st["tables"] == 1 and st["filled_rows"] == 1
+    # a request without a tenant: its own table next to the start-up one
+    assert st["table_bytes"] == 2 * 50 * 4 * 4 and st["tables"] == 2 and st["filled_rows"] == 1
+    assert st["tenants"] == 0 and st["live_requests"] == 1
     assert st["update"]["n"] == 1 and st["expand"]["n"] == 1 and st["expand"]["mean_ms"] >= 0
 
 

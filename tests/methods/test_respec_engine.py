@@ -3,7 +3,9 @@ EAGLE-3 head: strict mode token-identical to plain decoding (batch 1 and 8,
 prefix caching on; preemption behind ``slow``), both drafters used; the
 LOSSY relaxed mode with ``tau = 0, beta = 1`` equals strict output, and with
 a real tolerance every relaxed token satisfies Eq. 6-7 and is followed by at
-least ``m`` strict matches (checked against a transformers recompute)."""
+least ``m`` strict matches (checked against a transformers recompute); with
+``relaxed_lossy: "opt_in"`` only requests that send ``specplug_relaxed`` are
+relaxed, the others keep plain decoding's output."""
 
 from __future__ import annotations
 
@@ -123,6 +125,35 @@ def test_relaxed_tokens_satisfy_eq6_eq7_and_lookahead(ref_model, baseline):
                 r2 = logp[n + j + q]
                 assert float(r2.max() - r2[u]) < 1e-4, (j, q)
     assert relaxed_seen > 0
+
+
+@pytest.mark.slow  # the LOSSY opt-in mode; default-suite time goes to strict mode
+def test_relaxed_applies_only_to_requests_that_opt_in(ref_model, baseline):
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts, ref = baseline
+    spec = {**RELAXED, "relaxed_lossy": "opt_in", "relaxed_beta": 8,
+            "relaxed_tau_nats": 3.0, "theta_entropy": 3.0}
+
+    def run(llm, xargs):
+        before = llm.collective_rpc("specplug_stats")[0]
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                extra_args=xargs)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:4]],
+                            params, use_tqdm=False)
+        after = llm.collective_rpc("specplug_stats")[0]
+        return ([list(o.outputs[0].token_ids) for o in outs],
+                {k: after[k] - before[k] for k in ("relaxed_tokens", "relaxed_opted_out")})
+
+    with engine(ref_model, spec, max_model_len=1024) as llm:
+        strict, strict_counts = run(llm, None)
+        relaxed, relaxed_counts = run(llm, {"specplug_relaxed": True})
+        # a sampled request that does not opt in is served (losslessly)
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])],
+                     SamplingParams(temperature=0.8, max_tokens=4), use_tqdm=False)
+    assert strict == ref[:4]
+    assert strict_counts["relaxed_tokens"] == 0 and strict_counts["relaxed_opted_out"] > 0
+    assert relaxed_counts["relaxed_tokens"] > 0 and relaxed_counts["relaxed_opted_out"] == 0
 
 
 @pytest.mark.slow

@@ -59,7 +59,8 @@ def test_failing_request_is_isolated_and_reset(caplog):
     assert (stats.propose_faults, stats.fault_requests) == (1, 2)
     assert prop.removed == ["bad"] and prop.added == ["bad"]
     assert published[-1] == ({"propose_faults": 1, "fault_requests": 2,
-                              "rank_divergences": 0}, True)
+                              "rank_divergences": 0, "hook_faults": 0,
+                              "requests_stopped_drafting": 0}, True)
     guard.propose(prop, [_req("bad")])
     assert stats.propose_faults == 2
     assert sum("failed in propose" in r.message for r in caplog.records) == 1

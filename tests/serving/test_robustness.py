@@ -138,3 +138,29 @@ def test_failing_method_falls_back_without_hurting_others(servers):
     assert log.count("specplug: method 'oracle' failed in propose") == 1, log[-3000:]
     assert "injected fault" in log
     assert http_get(faulty.base + "/health") == ""
+
+
+def test_bad_specplug_request_fields_get_400_naming_the_field(servers):
+    faulty, plain = servers
+    m = faulty.model
+    bad = {  # field -> vllm_xargs (the oracle server does not relax)
+        "specplug_speculate": {"specplug_speculate": "maybe"},
+        "specplug_bogus": {"specplug_bogus": 1},
+        "_specplug_tenant": {"_specplug_tenant": "x"},
+        "specplug_relaxed": {"specplug_relaxed": True},
+    }
+    for field, xargs in bad.items():
+        code, text = _status(faulty, "/v1/completions", {
+            "model": m, "prompt": [5, 6, 7], "max_tokens": 4, "vllm_xargs": xargs})
+        assert code == 400, (field, code, text[:300])
+        error = json.loads(text)["error"]
+        assert error["param"] == field and field in error["message"], (field, error)
+    code, text = _status(faulty, "/v1/chat/completions", {
+        "model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "vllm_xargs": {"specplug_speculate": 2}})
+    assert code == 400 and json.loads(text)["error"]["param"] == "specplug_speculate"
+    ref = _tokens(_complete(plain, GOOD, max_tokens=24))
+    for xargs in ({"specplug_speculate": False}, {"specplug_speculate": True,
+                                                  "specplug_relaxed": False}):
+        assert _tokens(_complete(faulty, GOOD, max_tokens=24, vllm_xargs=xargs)) == ref
+    assert http_get(faulty.base + "/health") == ""

@@ -234,11 +234,13 @@ def _info(args) -> int:
     try:
         if is_sa:
             store = open_sa_datastore(args.path, verify_checksums=not args.no_checksums)
-            print(json.dumps(_sa_summary(store.manifest), indent=2))
+            print(json.dumps({**_sa_summary(store.manifest),
+                              "manifest_sha256": store.manifest_sha256}, indent=2))
             return 0
         ds = DenseDatastore.open(args.path, verify_checksums=not args.no_checksums)
     except DatastoreError as e:
         print(f"specplug datastore info: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(_summary(ds.manifest), indent=2))
+    print(json.dumps({**_summary(ds.manifest), "manifest_sha256": ds.manifest_sha256},
+                     indent=2))
     return 0

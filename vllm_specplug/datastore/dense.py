@@ -31,6 +31,11 @@ On disk (``.npy`` only, no pickle)::
     responses.jsonl          only in in-distribution mode
     scann/                   the serialized ScaNN searcher (relative paths)
 
+Serving reads only the files the manifest lists, into memory, checking each
+one's SHA-256 on the bytes it keeps (``vllm_specplug.datastore.manifest``);
+the ScaNN searcher is loaded from a private copy of the listed ``scann/``
+files, so ScaNN never sees (or unpickles) anything else.
+
 Built by ``vllm_specplug.datastore.build`` (the offline side: corpus,
 target forward, PCA, ScaNN); this module is what serving loads.
 """
@@ -45,6 +50,18 @@ from typing import Any
 
 import numpy as np
 
+from vllm_specplug.datastore.manifest import (
+    DatastoreError,
+    check_pin,
+    confined_path,
+    copy_verified,
+    hash_file,
+    npy_from_buffer,
+    read_verified,
+    refuse_pickles,
+    sha256_hex,
+)
+
 __all__ = [
     "DatastoreError",
     "DenseDatastore",
@@ -54,16 +71,13 @@ __all__ = [
 ]
 
 MANIFEST_FILE = "manifest.json"
+SCANN_DIR = "scann"
 FORMAT = "specplug-dense-datastore"
 FORMAT_VERSION = 1
 
 ZSCORE_EPS = 1e-5
 _SMALL_BATCH = 64
 L2_EPS = 1e-12
-
-
-class DatastoreError(ValueError):
-    """A datastore problem; the message is one line."""
 
 
 def _log(msg: str) -> None:
@@ -142,20 +156,34 @@ def transform_hidden(hidden: np.ndarray, mean: np.ndarray, std: np.ndarray,
 
 
 class DenseDatastore:
-    """A built dense datastore, verified and ready to query."""
+    """A built dense datastore, verified and ready to query.
+
+    Every array the queries use is in process memory (read once, checksum
+    checked on those bytes); ``keys`` (only tools and tests read it) is read
+    on first access."""
 
     def __init__(self, path: str, manifest: dict, mean, std, components, keys, values,
-                 doc_offsets, searcher) -> None:
+                 doc_offsets, searcher, *, manifest_sha256: str | None = None,
+                 read_keys=None) -> None:
         self.path = path
         self.manifest = manifest
+        self.manifest_sha256 = manifest_sha256
         self.mean = mean
         self.std = std
         self.components = components
-        self.keys = keys
+        self._keys = keys
+        self._read_keys = read_keys
         self.values = values
         self.doc_offsets = doc_offsets
         self.searcher = searcher
         self.index = manifest["index"]
+
+    @property
+    def keys(self) -> np.ndarray:
+        """``[n, dims]`` reduced keys (the index input), read on first use."""
+        if self._keys is None:
+            self._keys = self._read_keys()
+        return self._keys
 
     # -- facts ---------------------------------------------------------------
     @property
@@ -177,89 +205,68 @@ class DenseDatastore:
     @classmethod
     def open(cls, path: str, *, expect_hidden_size: int | None = None,
              expect_vocab_size: int | None = None, expect_tokenizer_hash: str | None = None,
-             verify_checksums: bool = True) -> DenseDatastore:
+             verify_checksums: bool = True,
+             expect_manifest_sha256: str | None = None) -> DenseDatastore:
         """Open and verify a store. Every failure is a one-line
         :class:`DatastoreError`: missing store/file, corrupted file (size or
-        checksum), unsupported format, or a hidden size / vocab size /
-        tokenizer that differs from the target's."""
+        checksum), unsupported format, a file name leaving the folder, a
+        listed pickle, a hidden size / vocab size / tokenizer that differs
+        from the target's, or (``expect_manifest_sha256``) a manifest other
+        than the one checked before. Unlisted files are never opened."""
         path = os.path.abspath(os.path.expanduser(path))
         where = f"dense datastore {path}"
         if not os.path.isdir(path):
             raise DatastoreError(f"{where}: no such directory")
-        mpath = os.path.join(path, MANIFEST_FILE)
-        if not os.path.isfile(mpath):
-            raise DatastoreError(f"{where}: missing file '{MANIFEST_FILE}' (not a dense "
-                                 f"datastore or an unfinished build)")
-        try:
-            with open(mpath, encoding="utf-8") as f:
-                manifest = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise DatastoreError(f"{where}: corrupted file '{MANIFEST_FILE}' ({e})".replace(
-                "\n", " ")) from None
+        manifest, digest = _read_manifest(path, where)
+        check_pin(digest, expect_manifest_sha256, where)
         if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
             raise DatastoreError(
                 f"{where}: unsupported format {manifest.get('format')!r} "
                 f"v{manifest.get('format_version')!r} (expected {FORMAT} v{FORMAT_VERSION})")
-        files = manifest.get("files", {})
-        for name in ("zscore_mean.npy", "zscore_std.npy", "pca_components.npy", "keys.npy",
-                     "values.npy", "doc_offsets.npy"):
-            if name not in files:
-                raise DatastoreError(f"{where}: manifest lists no '{name}'")
-        for name, info in sorted(files.items()):
-            p = os.path.join(path, name)
-            if not os.path.isfile(p):
-                raise DatastoreError(f"{where}: missing file '{name}'")
-            size = os.path.getsize(p)
-            if size != info["bytes"]:
-                raise DatastoreError(f"{where}: corrupted file '{name}' (size {size} bytes, "
-                                     f"manifest says {info['bytes']})")
-            if verify_checksums and _sha256_file(p) != info["sha256"]:
-                raise DatastoreError(f"{where}: corrupted file '{name}' (sha256 mismatch)")
-        model = manifest.get("model", {}).get("id", "?")
-        if expect_hidden_size is not None and int(manifest["hidden_size"]) != expect_hidden_size:
-            raise DatastoreError(
-                f"{where}: hidden size mismatch: built for {manifest['hidden_size']} "
-                f"(model {model}), target has {expect_hidden_size}")
-        if expect_vocab_size is not None and int(manifest["vocab_size"]) != expect_vocab_size:
-            raise DatastoreError(
-                f"{where}: vocab size mismatch: built for {manifest['vocab_size']} "
-                f"(model {model}), target has {expect_vocab_size}")
-        if expect_tokenizer_hash is not None and manifest["tokenizer_hash"] != expect_tokenizer_hash:
-            raise DatastoreError(
-                f"{where}: tokenizer mismatch: built with {manifest['tokenizer_hash'][:28]}... "
-                f"(model {model}), target tokenizer is {expect_tokenizer_hash[:28]}...")
+        files = _listed_files(path, manifest, where)
+        _check_target(manifest, where, expect_hidden_size, expect_vocab_size,
+                      expect_tokenizer_hash)
 
-        def load(name, mmap=False):
-            try:
-                return np.load(os.path.join(path, name), mmap_mode="r" if mmap else None,
-                               allow_pickle=False)
-            except Exception as e:  # noqa: BLE001
-                raise DatastoreError(f"{where}: corrupted file '{name}' ({type(e).__name__})"
-                                     ) from None
+        def load(name: str) -> np.ndarray:
+            real, info = files[name]
+            buf = read_verified(real, where, name, nbytes=info["bytes"],
+                                sha256=info["sha256"] if verify_checksums else None)
+            return npy_from_buffer(buf, where, name)
 
         mean = load("zscore_mean.npy")
         std = load("zscore_std.npy")
         comps = load("pca_components.npy")
-        keys = load("keys.npy", mmap=True)
-        values = load("values.npy", mmap=True)
+        values = load("values.npy")
         offsets = load("doc_offsets.npy")
+        if verify_checksums:  # the files serving does not read: checked, not kept
+            for name, (real, info) in files.items():
+                if name not in _READ_AT_OPEN and not name.startswith(SCANN_DIR + "/"):
+                    if hash_file(real, where, name) != info["sha256"]:
+                        raise DatastoreError(f"{where}: corrupted file '{name}' (sha256 "
+                                             "mismatch)")
         h, d, n, nn = (int(manifest["hidden_size"]), int(manifest["dims"]),
                        int(manifest["counts"]["keys"]), int(manifest["n_next"]))
+        keys_info = files["keys.npy"][1]
+        if not _npy_shape_fits(keys_info["bytes"], (n, d), np.float32):
+            raise DatastoreError(f"{where}: corrupted file 'keys.npy' (size "
+                                 f"{keys_info['bytes']} bytes for {n} x {d} keys)")
         for name, arr, shape in (("zscore_mean.npy", mean, (h,)), ("zscore_std.npy", std, (h,)),
                                  ("pca_components.npy", comps, (h, d)),
-                                 ("keys.npy", keys, (n, d)), ("values.npy", values, (n, nn))):
+                                 ("values.npy", values, (n, nn))):
             if arr.shape != shape:
                 raise DatastoreError(f"{where}: corrupted file '{name}' (shape {arr.shape}, "
                                      f"expected {shape})")
-        try:
-            import scann
+        searcher = _load_searcher(files, where, verify_checksums)
 
-            searcher = scann.scann_ops_pybind.load_searcher(
-                os.path.join(path, "scann"), assets_backcompat_shim=False)
-        except Exception as e:  # noqa: BLE001
-            raise DatastoreError(f"{where}: cannot load the ScaNN index "
-                                 f"({type(e).__name__}: {e})".replace("\n", " ")) from None
-        return cls(path, manifest, mean, std, comps, keys, values, offsets, searcher)
+        def read_keys() -> np.ndarray:
+            keys = load("keys.npy")
+            if keys.shape != (n, d):
+                raise DatastoreError(f"{where}: corrupted file 'keys.npy' (shape {keys.shape}, "
+                                     f"expected {(n, d)})")
+            return keys
+
+        return cls(path, manifest, mean, std, comps, None, values, offsets, searcher,
+                   manifest_sha256=digest, read_keys=read_keys)
 
     # -- query ---------------------------------------------------------------
     def embed(self, hidden: np.ndarray) -> np.ndarray:
@@ -308,6 +315,135 @@ class DenseDatastore:
             flat = ids[ok]
             order = np.argsort(flat, kind="stable")
             rows = np.empty((flat.shape[0], self.n_next), dtype=np.int32)
-            rows[order] = self.values[flat[order]]  # sorted reads on the memmap
+            rows[order] = self.values[flat[order]]  # sorted reads: cache friendly
             seqs[ok] = rows
         return seqs, scores
+
+
+# ---------------------------------------------------------------------------
+# Opening: manifest, listed files, ScaNN from a private copy
+# ---------------------------------------------------------------------------
+
+# Read into memory at open, checksummed as read; the other files are hashed.
+_READ_AT_OPEN = ("zscore_mean.npy", "zscore_std.npy", "pca_components.npy", "values.npy",
+                 "doc_offsets.npy")
+_REQUIRED = _READ_AT_OPEN + ("keys.npy",)
+_SCANN_ASSETS = "scann_assets.pbtxt"
+
+
+def _read_manifest(path: str, where: str) -> tuple[dict, str]:
+    """The parsed manifest and the SHA-256 of its bytes."""
+    mpath = os.path.join(path, MANIFEST_FILE)
+    if not os.path.isfile(mpath):
+        raise DatastoreError(f"{where}: missing file '{MANIFEST_FILE}' (not a dense "
+                             f"datastore or an unfinished build)")
+    real = confined_path(path, MANIFEST_FILE, where)
+    try:
+        raw = bytes(read_verified(real, where, MANIFEST_FILE))
+        manifest = json.loads(raw)
+    except (OSError, ValueError) as e:
+        if isinstance(e, DatastoreError):
+            raise
+        raise DatastoreError(f"{where}: corrupted file '{MANIFEST_FILE}' ({e})".replace(
+            "\n", " ")) from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        raise DatastoreError(f"{where}: corrupted file '{MANIFEST_FILE}' (not a manifest)")
+    return manifest, sha256_hex(raw)
+
+
+def _listed_files(path: str, manifest: dict, where: str) -> dict[str, tuple[str, dict]]:
+    """name -> (real path inside the folder, manifest entry), sizes checked."""
+    files = manifest.get("files", {})
+    refuse_pickles(files, where)
+    reals = {name: confined_path(path, name, where) for name in files}
+    for name in _REQUIRED:
+        if name not in files:
+            raise DatastoreError(f"{where}: manifest lists no '{name}'")
+    out: dict[str, tuple[str, dict]] = {}
+    for name, info in sorted(files.items()):
+        real = reals[name]
+        if not os.path.isfile(real):
+            raise DatastoreError(f"{where}: missing file '{name}'")
+        size = os.path.getsize(real)
+        if not isinstance(info, dict) or size != info.get("bytes"):
+            want = info.get("bytes") if isinstance(info, dict) else None
+            raise DatastoreError(f"{where}: corrupted file '{name}' (size {size} bytes, "
+                                 f"manifest says {want})")
+        out[name] = (real, info)
+    return out
+
+
+def _check_target(manifest: dict, where: str, hidden_size, vocab_size, tokenizer_hash) -> None:
+    model = manifest.get("model", {}).get("id", "?")
+    if hidden_size is not None and int(manifest["hidden_size"]) != hidden_size:
+        raise DatastoreError(
+            f"{where}: hidden size mismatch: built for {manifest['hidden_size']} "
+            f"(model {model}), target has {hidden_size}")
+    if vocab_size is not None and int(manifest["vocab_size"]) != vocab_size:
+        raise DatastoreError(
+            f"{where}: vocab size mismatch: built for {manifest['vocab_size']} "
+            f"(model {model}), target has {vocab_size}")
+    if tokenizer_hash is not None and manifest["tokenizer_hash"] != tokenizer_hash:
+        raise DatastoreError(
+            f"{where}: tokenizer mismatch: built with {manifest['tokenizer_hash'][:28]}... "
+            f"(model {model}), target tokenizer is {tokenizer_hash[:28]}...")
+
+
+def _npy_shape_fits(nbytes: int, shape: tuple[int, ...], dtype) -> bool:
+    """A cheap size check of an array read later: data plus a sane header."""
+    data = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return data < nbytes <= data + (1 << 16)
+
+
+def _load_searcher(files: dict[str, tuple[str, dict]], where: str, verify: bool):
+    """The ScaNN searcher, loaded from a private folder holding only the
+    listed ``scann/`` files (checked as copied). ScaNN's own
+    ``load_searcher`` is not used: it unpickles ``scann_docids.pkl`` when
+    present, and the plugin builds without docids."""
+    import shutil
+    import tempfile
+
+    prefix = SCANN_DIR + "/"
+    listed = {n[len(prefix):]: v for n, v in files.items() if n.startswith(prefix)}
+    if _SCANN_ASSETS not in listed:
+        raise DatastoreError(f"{where}: manifest lists no '{prefix}{_SCANN_ASSETS}'")
+    private = tempfile.mkdtemp(prefix="specplug-scann-")  # 0700
+    try:
+        for rel, (real, info) in listed.items():
+            dest = os.path.join(private, *rel.split("/"))
+            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+            copy_verified(real, dest, where, prefix + rel, nbytes=info["bytes"],
+                          sha256=info["sha256"] if verify else None)
+        assets = _scann_assets(private, set(listed), where)
+        try:
+            import scann
+            from scann.scann_ops.py import scann_ops_pybind
+
+            native = scann_ops_pybind.scann_pybind.ScannNumpy(private, assets)
+            return scann.scann_ops_pybind.ScannSearcher(native, docids=None)
+        except Exception as e:  # noqa: BLE001
+            raise DatastoreError(f"{where}: cannot load the ScaNN index "
+                                 f"({type(e).__name__}: {e})".replace("\n", " ")) from None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _scann_assets(private: str, listed: set[str], where: str) -> str:
+    """``scann_assets.pbtxt`` re-serialized after checking that every asset
+    it names is a listed file of the copy (no absolute or outside path)."""
+    from google.protobuf import text_format
+    from scann.scann_ops import scann_assets_pb2
+
+    with open(os.path.join(private, _SCANN_ASSETS), encoding="utf-8") as f:
+        text = f.read()
+    assets = scann_assets_pb2.ScannAssets()
+    try:
+        text_format.Parse(text, assets)
+    except text_format.ParseError as e:
+        raise DatastoreError(f"{where}: corrupted file '{SCANN_DIR}/{_SCANN_ASSETS}' "
+                             f"({e})".replace("\n", " ")) from None
+    for asset in assets.assets:
+        if asset.asset_path not in listed:
+            raise DatastoreError(f"{where}: ScaNN asset {asset.asset_path!r} is not a file "
+                                 f"listed under '{SCANN_DIR}/'")
+    return text_format.MessageToString(assets)

@@ -6,8 +6,10 @@ A folder with ``tokens.npy`` (the corpus, documents joined by a separator
 id), ``sa.npy`` (its suffix array, built by libdivsufsort) and
 ``manifest.json`` (format and version, the tokenizer's fingerprint, vocab
 size, token and document counts, each file's size and SHA-256, the corpus it
-came from). Both arrays are memory-mapped at load, so a store larger than the
-engine's free memory still serves.
+came from). Serving reads both arrays into memory (about 6 to 8 bytes per
+corpus token) and checks their checksums on those bytes, so a file changed on
+disk later cannot reach a running server; only files the manifest lists are
+read, and only from inside the folder (``vllm_specplug.datastore.manifest``).
 
 Every fault a user can make is found when the store is opened, at engine
 start-up, in one line naming the file: a missing folder or file, a truncated
@@ -30,6 +32,15 @@ from vllm_specplug.datastore.dense import (
     _log,
     _sha256_file,
     tokenizer_fingerprint,
+)
+from vllm_specplug.datastore.manifest import (
+    MANIFEST_FILE,
+    check_pin,
+    confined_path,
+    npy_from_buffer,
+    read_verified,
+    refuse_pickles,
+    sha256_hex,
 )
 from vllm_specplug.sources.suffix_array import (
     TokenSuffixArray,
@@ -111,22 +122,20 @@ def build_sa_datastore(model: str, out: str, corpus: Iterable[str], *,
 
 
 def open_sa_datastore(path: str, *, vocab_size: int | None = None,
-                      tokenizer: str | None = None,
-                      verify_checksums: bool = True) -> TokenSuffixArray:
+                      tokenizer: str | None = None, verify_checksums: bool = True,
+                      expect_manifest_sha256: str | None = None) -> TokenSuffixArray:
     """Open and check a store; every problem is a one-line DatastoreError.
 
     ``vocab_size`` / ``tokenizer`` (a tokenizer folder or fingerprint): what
-    the serving model has; a store built for another is refused."""
+    the serving model has; a store built for another is refused.
+    ``expect_manifest_sha256``: the manifest digest checked before (the
+    front end's); another manifest is refused. The arrays are read into
+    memory; ``store.manifest_sha256`` is the manifest's digest."""
     if not os.path.isdir(path):
         raise DatastoreError(f"suffix-array datastore {path}: no such folder")
-    mpath = os.path.join(path, "manifest.json")
-    try:
-        with open(mpath, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise DatastoreError(f"suffix-array datastore {path}: manifest.json missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise DatastoreError(f"suffix-array datastore {mpath}: not valid JSON") from None
+    where = f"suffix-array datastore {path}"
+    manifest, digest = _read_sa_manifest(path)
+    check_pin(digest, expect_manifest_sha256, where)
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise DatastoreError(
             f"suffix-array datastore {path}: format {manifest.get('format')!r} "
@@ -142,25 +151,56 @@ def open_sa_datastore(path: str, *, vocab_size: int | None = None,
             raise DatastoreError(
                 f"suffix-array datastore {path} was built with another tokenizer "
                 f"(model {manifest.get('model')!r}); rebuild it for this model")
+    files = manifest["files"]
+    refuse_pickles(files, where)
+    for name in files:
+        confined_path(path, name, where)
     for name in FILES:
+        if name not in files:
+            raise DatastoreError(f"{where}: manifest lists no '{name}'")
         fpath = os.path.join(path, name)
-        want = manifest["files"][name]
-        if not os.path.isfile(fpath):
+        if not os.path.isfile(confined_path(path, name, where)):
             raise DatastoreError(f"suffix-array datastore {fpath}: missing")
-        if os.path.getsize(fpath) != want["bytes"]:
+        if os.path.getsize(fpath) != files[name]["bytes"]:
             raise DatastoreError(
                 f"suffix-array datastore {fpath}: {os.path.getsize(fpath)} bytes, "
-                f"the manifest says {want['bytes']} (truncated or replaced)")
-        if verify_checksums and _sha256_file(fpath) != want["sha256"]:
-            raise DatastoreError(f"suffix-array datastore {fpath}: checksum mismatch (corrupt)")
-    try:
-        tokens = np.load(os.path.join(path, "tokens.npy"), mmap_mode="r")
-        sa = np.load(os.path.join(path, "sa.npy"), mmap_mode="r")
-    except ValueError as e:
-        raise DatastoreError(f"suffix-array datastore {path}: unreadable array ({e})") from None
+                f"the manifest says {files[name]['bytes']} (truncated or replaced)")
+    tokens, sa = (_read_array(path, name, files[name], verify_checksums) for name in FILES)
     if tokens.shape != (manifest["num_tokens"],) or sa.shape != tokens.shape:
         raise DatastoreError(f"suffix-array datastore {path}: array shapes disagree "
                              "with the manifest")
     store = TokenSuffixArray(tokens, sa, manifest["separator"])
     store.manifest = manifest
+    store.manifest_sha256 = digest
     return store
+
+
+def _read_sa_manifest(path: str) -> tuple[dict, str]:
+    """The parsed manifest and the SHA-256 of its bytes."""
+    where = f"suffix-array datastore {path}"
+    mpath = os.path.join(path, MANIFEST_FILE)
+    if not os.path.lexists(mpath):
+        raise DatastoreError(f"{where}: manifest.json missing")
+    raw = bytes(read_verified(confined_path(path, MANIFEST_FILE, where), where, MANIFEST_FILE))
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise DatastoreError(f"suffix-array datastore {mpath}: not valid JSON") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise DatastoreError(f"suffix-array datastore {mpath}: not a manifest")
+    return manifest, sha256_hex(raw)
+
+
+def _read_array(path: str, name: str, info: dict, verify: bool) -> np.ndarray:
+    """A listed array in memory, checked on the bytes kept."""
+    fpath = os.path.join(path, name)
+    where = f"suffix-array datastore {path}"
+    try:
+        buf = read_verified(confined_path(path, name, where), where, name,
+                            nbytes=info["bytes"], sha256=info["sha256"] if verify else None)
+    except DatastoreError as e:
+        if "sha256 mismatch" in str(e):
+            raise DatastoreError(f"suffix-array datastore {fpath}: checksum mismatch "
+                                 "(corrupt)") from None
+        raise
+    return npy_from_buffer(buf, where, name)

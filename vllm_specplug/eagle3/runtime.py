@@ -19,7 +19,12 @@ reference, which recomputes the whole prefix per call) does not have:
   their token prefix; a request that starts (or resumes) past its state
   fills the gap from there. If a block is missing the request is marked
   ``broken`` and drafts nothing until it ends (counted), never from a
-  silently shorter state.
+  silently shorter state. The chain is a keyed blake2b (a key of this
+  process's own, never sent anywhere) seeded by the request's tenant
+  (:meth:`Eagle3Runtime.bind`), as vLLM puts ``cache_salt`` into its first
+  block's hash: a block is found only by requests of the tenant that stored
+  it, and no request can make its tokens collide with another tenant's
+  block. A request without a tenant neither stores nor fills.
 * **Tree drafting** (:meth:`Eagle3Runtime.draft`), EAGLE-2 style: from the
   root, expand the top-k frontier depth by depth, one head pass per depth
   over the frontier rows of every request at once; candidates are scored by
@@ -32,7 +37,9 @@ reference, which recomputes the whole prefix per call) does not have:
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -69,8 +76,14 @@ class _State:
     v: torch.Tensor
     n: int = 0
     out: torch.Tensor | None = None  # [H] pre-norm output of row n-1
-    hashes: list[int] = field(default_factory=list)  # chained hash per stored block
+    hashes: list[bytes] = field(default_factory=list)  # chained hash per finished block
     broken: bool = False
+    tenant: str | None = None
+    """Whose prefix-store blocks the state may read and write (``bind``)."""
+    seed: bytes | None = None
+    """The chain's start, from ``tenant``; None: no store (no tenant, or
+    not bound)."""
+    bound: bool = False
 
 
 @dataclass
@@ -135,7 +148,9 @@ class Eagle3Runtime:
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.states: dict[str, _State] = {}
-        self.store: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.store: OrderedDict[tuple[bytes, int], tuple[torch.Tensor, torch.Tensor]] = \
+            OrderedDict()
+        self._key = os.urandom(32)  # the store's hash key: this process's only
         self.store_blocks = max(0, store_tokens // BLOCK)
         self.stats = RuntimeStats()
         self.level_seconds: float | None = None
@@ -190,6 +205,20 @@ class Eagle3Runtime:
     def remove(self, req_id: str) -> None:
         self.states.pop(req_id, None)
 
+    def bind(self, req_id: str, tenant: str | None) -> None:
+        """The request's tenant (``StepRequest.tenant``), before its rows
+        are extended: the prefix store serves it only blocks its tenant
+        stored, and None (share nothing) none at all. A state not bound
+        stores and fills nothing. A tenant that changes mid-request turns
+        the store off for the request (its chain was the other tenant's)."""
+        st = self._state(req_id)
+        if not st.bound:
+            st.bound, st.tenant = True, tenant
+            st.seed = None if tenant is None else self._digest(tenant.encode("utf-8",
+                                                                            "surrogatepass"))
+        elif st.tenant != tenant:
+            st.tenant, st.seed = None, None
+
     def _new_state(self, cap: int) -> _State:
         z = torch.empty(cap, self.nkv, self.hd, device=self.device, dtype=self.dtype)
         return _State(k=z, v=torch.empty_like(z))
@@ -219,17 +248,21 @@ class Eagle3Runtime:
                 and st.n == num_tokens - 1)
 
     # ------------------------------------------------------------ prefix store
-    @staticmethod
-    def _chain_hash(prev: int, tokens: np.ndarray, nxt: int) -> tuple[int, int]:
-        h = hash((prev, tuple(int(t) for t in tokens)))
-        return h, int(nxt)
+    def _digest(self, data: bytes) -> bytes:
+        return hashlib.blake2b(data, key=self._key, digest_size=16).digest()
 
-    def _block_key(self, st: _State, j: int, tokens: np.ndarray) -> tuple[int, int]:
-        prev = st.hashes[j - 1] if j > 0 else 0
-        return self._chain_hash(prev, tokens[j * BLOCK:(j + 1) * BLOCK], tokens[(j + 1) * BLOCK])
+    def _block_key(self, st: _State, j: int, tokens: np.ndarray) -> tuple[bytes, int]:
+        """Block ``j``'s store key: the keyed hash chained from the tenant's
+        seed over every token up to the block's end, and the token after it
+        (the block's last row reads it)."""
+        prev = st.hashes[j - 1] if j > 0 else st.seed
+        block = np.ascontiguousarray(tokens[j * BLOCK:(j + 1) * BLOCK], dtype="<i8")
+        return self._digest(prev + block.tobytes()), int(tokens[(j + 1) * BLOCK])
 
     def _store_blocks(self, st: _State, tokens: np.ndarray) -> None:
         """Hash (and keep) every finished block of the state."""
+        if st.seed is None:
+            return
         while (len(st.hashes) + 1) * BLOCK <= st.n:
             j = len(st.hashes)
             key = self._block_key(st, j, tokens)
@@ -245,7 +278,10 @@ class Eagle3Runtime:
                     self.store.popitem(last=False)
 
     def _fill_from_store(self, st: _State, upto: int, tokens: np.ndarray) -> bool:
-        """Bring the state to ``upto`` rows from the prefix store."""
+        """Bring the state to ``upto`` rows from the prefix store (only
+        from blocks its own tenant stored)."""
+        if st.seed is None:
+            return False
         if st.n % BLOCK or upto % BLOCK or st.n != len(st.hashes) * BLOCK:
             return False
         self._reserve(st, upto)

@@ -46,10 +46,10 @@ class Needs:
     prefill_topk_rows: int = 64
     """With ``prefill_topk``: most prompt rows per chunk that get a top-k.
     Bounded because the pass is paid before the budget can judge the new
-    prompts: over whole prompts it cost `recycle` 16 % of a batch-8 RAG
-    suite's time (8 prompts of ~1,500 tokens, ~0.2 ms a row on a 2-core
-    CPU) when the previous suite had left the gate open, and the prompt's
-    last rows are the ones nearest what is generated next."""
+    prompts: over whole prompts (~0.2 ms a row on a 2-core CPU) it can cost
+    a batch of long prompts a sixth of its time when the gate was left open
+    by earlier requests, and the prompt's last rows are the ones nearest
+    what is generated next."""
     tree_topk: bool = False
     """Top-k at every verified tree node, accepted or rejected."""
     aux_layers: tuple[int, ...] = ()
@@ -143,6 +143,12 @@ class StepRequest:
     by what the scheduler will schedule and by what ``max_model_len``
     leaves; 0 when nothing was sampled. Draft nothing when it is 0; a
     bigger tree is cut to its first ``budget`` nodes."""
+    tenant: str | None = None
+    """Whose cross-request state this request may read and write
+    (:mod:`vllm_specplug.tenancy`): ``"public"`` (requests without a
+    ``cache_salt``), ``"t:<keyed hash of the salt>"``, or None: share
+    nothing (isolation ``strict``, or a request the engine core did not tag).
+    A method that keeps state across requests keys it by this."""
 
     @property
     def last_token(self) -> int:
@@ -215,6 +221,12 @@ class Proposer:
     #: times a suite twice in one engine (``benchmarks.run --repeats``)
     #: counts only the first time.
     remembers_outputs: ClassVar[bool] = False
+    #: True when the method keys every state it keeps across requests by
+    #: ``StepRequest.tenant`` and keeps none for tenant None. A method that
+    #: ``remembers_outputs`` without it is refused at start-up unless the
+    #: engine's ``isolation`` is ``off`` (it would let users draft from each
+    #: other's outputs).
+    tenant_aware: ClassVar[bool] = False
 
     def __init__(self, config: MethodConfig, ctx: ProposerContext) -> None:
         self.config = config

@@ -28,12 +28,22 @@ class TreeStats:
     rank_divergences: int = 0
     """Steps where this rank's trees differed from rank 0's (tensor
     parallelism; rank 0's are verified)."""
+    hook_faults: int = 0
+    """Calls of the method's other hooks (``add_request``,
+    ``remove_request``, ``catch_up_rows``, ``stats``) that raised; the
+    request went on decoding (``runner/guard.py``)."""
+    requests_stopped_drafting: int = 0
+    """Requests that stopped drafting for good after ``max_request_faults``
+    faults in a row."""
     relaxed_tokens: int = 0
     """Draft tokens accepted by the LOSSY relaxed rule against the target's
     argmax (``Needs.relaxed``; 0 unless a method opts in)."""
     relaxed_ineligible: int = 0
     """Request steps served strictly although the method asks for relaxed
     verification (sampled, logprobs or penalties)."""
+    relaxed_opted_out: int = 0
+    """Request steps served strictly because the request did not ask for
+    relaxed verification (``specplug_relaxed``; ``request_flags``)."""
     accepted_depth_hist: dict[int, int] = field(default_factory=dict)
     tree_size_hist: dict[int, int] = field(default_factory=dict)
     collect_seconds: float = 0.0

@@ -67,8 +67,13 @@ class DReSDConfig(MethodConfig):
     """Drop neighbours whose cosine similarity to the query is below this
     (-1 keeps all)."""
     verify_checksums: bool = True
-    """Check the SHA-256 of every datastore file at startup (reads the whole
-    store once); ``False`` checks sizes only."""
+    """Check the SHA-256 of every datastore file at startup, in the front end
+    and again on the bytes the engine loads into memory; ``False`` checks
+    sizes only."""
+    datastore_sha256: str | None = None
+    """SHA-256 of the store's ``manifest.json`` the engine must find. The
+    front end fills it in after checking the store, so the engine serves the
+    store that was checked or refuses to start; set it to pin a store."""
 
     def check_against(self, num_speculative_tokens: int) -> None:
         for key in ("greedy_num_drafts", "sampling_num_drafts"):
@@ -82,16 +87,19 @@ class DReSDConfig(MethodConfig):
         (files, sizes, checksums, hidden size, vocabulary, tokenizer)."""
         from vllm_specplug.datastore.dense import (DatastoreError, DenseDatastore,
                                                    tokenizer_fingerprint)
+        from vllm_specplug.datastore.manifest import pin_manifest
 
         mc = vllm_config.model_config
         try:
-            DenseDatastore.open(
+            store = DenseDatastore.open(
                 self.datastore, expect_hidden_size=mc.get_hidden_size(),
                 expect_vocab_size=mc.get_vocab_size(),
                 expect_tokenizer_hash=tokenizer_fingerprint(mc.tokenizer),
-                verify_checksums=self.verify_checksums)
+                verify_checksums=self.verify_checksums,
+                expect_manifest_sha256=self.datastore_sha256)
         except DatastoreError as e:
             raise option_error("datastore", str(e)) from None
+        pin_manifest(vllm_config, store.manifest_sha256)
 
 
 class DReSDProposer(Proposer):
@@ -108,6 +116,7 @@ class DReSDProposer(Proposer):
             expect_vocab_size=ctx.vocab_size,
             expect_tokenizer_hash=tokenizer_fingerprint(ctx.tokenizer_path),
             verify_checksums=config.verify_checksums,
+            expect_manifest_sha256=config.datastore_sha256,
         )
         max_len = self.store.n_next - 1
         self._shape_greedy = (config.greedy_num_drafts, min(config.greedy_draft_len, max_len))

@@ -75,7 +75,9 @@ class Eagle3TreeConfig(MethodConfig):
     prefix_store_tokens: int = Field(default=1 << 16, ge=0)
     """Head K/V positions kept (LRU, by token prefix) for prompt blocks vLLM
     serves from its prefix cache; a request whose cached prefix is not in the
-    store drafts nothing (counted as ``store_misses``)."""
+    store drafts nothing (counted as ``store_misses``). A block is served
+    only to requests of the tenant that stored it (``isolation``); requests
+    without a tenant (isolation ``strict``) neither store nor fill."""
 
     @field_validator("template")
     @classmethod
@@ -103,6 +105,7 @@ class Eagle3TreeConfig(MethodConfig):
 
 class Eagle3TreeProposer(Proposer):
     name = "eagle3_tree"
+    tenant_aware = True  # the head's prefix store serves a request only its tenant's blocks
     config_cls = Eagle3TreeConfig
 
     def __init__(self, config: Eagle3TreeConfig, ctx: ProposerContext) -> None:
@@ -168,6 +171,7 @@ class Eagle3TreeProposer(Proposer):
         t0 = time.perf_counter()
         items = []
         for r in batch:
+            self.runtime.bind(r.req_id, r.tenant)
             if r.aux_hidden is None:
                 continue
             pos, chunks, n_rows = r.verified_pos, [r.aux_hidden], int(r.aux_hidden.shape[0])

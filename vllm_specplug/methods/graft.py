@@ -80,6 +80,15 @@ class GraftConfig(Eagle3TreeConfig):
     table_path: str | None = None
     """Warm-start table from ``specplug adjacency build`` (the paper's
     warm-up); None starts empty and learns from prompts and steps."""
+    max_tenants: int = Field(default=64, ge=1)
+    """Tenants (requests sharing a ``cache_salt``, see ``isolation``) whose
+    learned adjacency table is kept, least recently used first out (a
+    tenant with a running request goes last). Each table is ``vocab *
+    adjacency_topk`` int32 on the engine's device: 1.5 MiB for the
+    reference model at 8, 4 MiB for a 128k vocabulary, so 96 MiB or 256 MiB
+    at the default 64. A request without a tenant (isolation ``strict``)
+    learns in a table of its own while it runs. An evicted tenant starts
+    again from the start-up table."""
     ablation: Literal["none", "no_retrieval", "no_pruning"] = "none"
     """Fig. 5's ablations: ``no_retrieval`` prunes but leaves the freed slots
     empty; ``no_pruning`` never stops the head and always uses the split of
@@ -164,14 +173,16 @@ class GraftConfig(Eagle3TreeConfig):
 
 class GraftProposer(Eagle3TreeProposer):
     name = "graft"
-    remembers_outputs = True  # the shared adjacency table learns from every verified node
+    remembers_outputs = True  # a tenant's adjacency table learns from every verified node
+    tenant_aware = True  # adjacency tables and head prefix store keyed by tenant
     config_cls = GraftConfig
 
     def __init__(self, config: GraftConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
         k = config.adjacency_topk
         self.adjacency = AdjacencyDrafter(self._initial_table(config, ctx),
-                                          TreeTemplate.from_spec("default", k))
+                                          TreeTemplate.from_spec("default", k),
+                                          max_tenants=config.max_tenants)
         self.stage_templates = config.build_stage_templates()
         n = len(config.checkpoints)
         self.stage_steps = [0] * (n + 1)  # pruned at checkpoint i; last: never pruned
@@ -193,6 +204,7 @@ class GraftProposer(Eagle3TreeProposer):
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)
+        self.adjacency.remove_request(req_id)
         if self._recorder is not None:
             self._recorder.finish(req_id)
 
@@ -213,9 +225,9 @@ class GraftProposer(Eagle3TreeProposer):
                      and self._recorder is None)
         trees = self.draft(batch, budgets, hook=gate)
         t0 = time.perf_counter()
-        roots = torch.tensor([batch[i].last_token for i in live], dtype=torch.long)
-        table = self.adjacency.table
-        rows = {id(t): t.expand(table, roots).cpu().numpy()
+        # each request's retrieval rows come from its own tenant's table
+        live_reqs = [batch[i] for i in live]
+        rows = {id(t): self.adjacency.expand(live_reqs, t)
                 for t in (*self.stage_templates, self.adjacency.template)}
         for j, i in enumerate(live):
             stage = gate.stage[j] if cfg.ablation != "no_pruning" else cfg.fixed_stage
@@ -265,6 +277,7 @@ class GraftProposer(Eagle3TreeProposer):
         s.counters.update({f"stage_{n}": v for n, v in zip(names, self.stage_steps)})
         s.counters.update({f"nodes_{k}": v for k, v in self.tree_nodes.items()})
         s.gauges["graft"] = self._graft_time.as_ms()
+        s.gauges["adjacency_tenants"] = self.adjacency.num_tenants
         s.gauges["thresholds"] = list(self.config.thresholds)
         return s
 

@@ -62,7 +62,13 @@ class ReaderConfig(Eagle3TreeConfig):
     """Weight of a count from the request's own tokens against one from the
     datastore when the union is ranked (the paper: 1, plain frequency)."""
     verify_checksums: bool = True
-    """Hash the datastore's files at start-up (slow for a store of GBs)."""
+    """Hash the datastore's files at start-up, in the front end and again on
+    the bytes the engine loads into memory (slow for a store of GBs);
+    ``False`` checks sizes only."""
+    datastore_sha256: str | None = None
+    """SHA-256 of the store's ``manifest.json`` the engine must find. The
+    front end fills it in after checking the store, so the engine serves the
+    store that was checked or refuses to start; set it to pin a store."""
 
     def check_against(self, num_speculative_tokens: int) -> None:
         super().check_against(num_speculative_tokens)
@@ -76,19 +82,23 @@ class ReaderConfig(Eagle3TreeConfig):
         """Before the engine starts: the datastore opens and was built with
         this model's tokenizer (files, sizes, checksums, vocabulary)."""
         if self.datastore is not None:
+            from vllm_specplug.datastore.manifest import pin_manifest
+
             mc = vllm_config.model_config
-            _open_store(self.datastore, mc.get_vocab_size(), mc.tokenizer,
-                        self.verify_checksums)
+            store = _open_store(self.datastore, mc.get_vocab_size(), mc.tokenizer,
+                                self.verify_checksums, self.datastore_sha256)
+            pin_manifest(vllm_config, store.manifest_sha256)
 
 
 def _open_store(path: str, vocab_size: int, tokenizer: str | None,
-                verify: bool) -> TokenSuffixArray:
+                verify: bool, manifest_sha256: str | None = None) -> TokenSuffixArray:
     from vllm_specplug.datastore.dense import DatastoreError
     from vllm_specplug.datastore.suffix_array import open_sa_datastore
 
     try:
         return open_sa_datastore(os.path.expanduser(path), vocab_size=vocab_size, tokenizer=tokenizer,
-                                 verify_checksums=verify)
+                                 verify_checksums=verify,
+                                 expect_manifest_sha256=manifest_sha256)
     except DatastoreError as e:
         raise option_error("datastore", str(e)) from None
 
@@ -186,7 +196,7 @@ class ReaderProposer(Eagle3TreeProposer):
         super().__init__(config, ctx)  # the EAGLE-3 head and its runtime
         self.store = (None if config.datastore is None else
                       _open_store(config.datastore, ctx.vocab_size, ctx.tokenizer_path,
-                                  verify=False))  # hashed once, in check_engine
+                                  config.verify_checksums, config.datastore_sha256))
         self.indexes: dict[str, ContextIndex] = {}
         self._search_time = RunningStat()
         self._counts = {"search_paths": 0, "search_nodes": 0, "deep_paths": 0,

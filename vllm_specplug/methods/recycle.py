@@ -82,14 +82,24 @@ class RecycleConfig(MethodConfig):
     """Warm-start table written by ``specplug adjacency build`` (safetensors);
     None starts from an empty table that fills up from the prompts."""
     per_request_tables: bool = False
-    """Each running request drafts from its own table: a copy of the shared
-    one taken when it arrives, then updated with its own steps only (the
-    shared table learns from every request, for the ones that come later).
-    False (the default): one table for all. Per-request tables accept no
-    more at batch 4-8 than the shared table, whose rows from concurrent
-    requests help about as often as they overwrite, and they cost
-    ``vocab * topk * 4`` bytes per running request (1.5 MiB for the
-    reference model) and expand requests one at a time."""
+    """Each running request drafts from its own table: a copy of its
+    tenant's table (the requests with its ``cache_salt``, see ``isolation``)
+    taken at its first step, then updated with its own steps only (the
+    tenant's table learns from all of them, for the ones that come later).
+    False (the default): the requests of a tenant share its table. Per-request
+    tables accept no more at batch 4-8 than the shared table, whose rows
+    from concurrent requests help about as often as they overwrite, and
+    they cost ``vocab * topk * 4`` bytes per running request (1.5 MiB for
+    the reference model) and expand requests one at a time. A request
+    without a tenant (isolation ``strict``) always has its own table, a copy
+    of the start-up one."""
+    max_tenants: int = Field(default=64, ge=1)
+    """Tenants whose learned adjacency table is kept (least recently used
+    first out; a tenant with a running request goes last). Each table is
+    ``vocab * topk`` int32 on the engine's device: 1.5 MiB for the
+    reference model at ``topk=8``, 4 MiB for a 128k vocabulary, so 96 MiB or
+    256 MiB at the default 64. An evicted tenant starts again from the
+    start-up table."""
 
     @field_validator("template")
     @classmethod
@@ -137,22 +147,19 @@ class RecycleConfig(MethodConfig):
 
 class RecycleProposer(Proposer):
     name = "recycle"
-    remembers_outputs = True  # the shared adjacency table
+    remembers_outputs = True  # a tenant's adjacency table
+    tenant_aware = True  # one table per tenant (AdjacencyDrafter)
     config_cls = RecycleConfig
 
     def __init__(self, config: RecycleConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
         self.drafter = AdjacencyDrafter(
             self._initial_table(), config.build_template(ctx.num_speculative_tokens),
-            config.per_request_tables)
+            config.per_request_tables, config.max_tenants)
         self._update_time, self._expand_time = RunningStat(), RunningStat()
         self.copy = CopyConfidence(config.copy_max_match)
         # req_id -> (history length, copy tokens in the tree, match length)
         self._pending: dict[str, tuple[int, list[int], int]] = {}
-
-    @property
-    def table(self) -> AdjacencyTable:
-        return self.drafter.table
 
     @property
     def template(self) -> TreeTemplate:
@@ -236,11 +243,13 @@ class RecycleProposer(Proposer):
         return out
 
     def stats(self) -> ProposerStats:
-        """Table size and the per-step cost of its two operations (the
-        update covers every request of the step, the expansion every live one)."""
+        """Tables held (the start-up one, the tenants', the requests' own),
+        the most-filled one's rows, and the per-step cost of the two
+        operations (the update covers every request of the step, the
+        expansion every live one)."""
         tables = self.drafter.tables
         return ProposerStats(gauges={
             "table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
-            "live_requests": len(tables) - 1,  # per-request tables only
-            "filled_rows": self.table.num_filled(), **self.copy.snapshot(),
+            "tenants": self.drafter.num_tenants, "live_requests": self.drafter.num_requests,
+            "filled_rows": max(t.num_filled() for t in tables), **self.copy.snapshot(),
             "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()})

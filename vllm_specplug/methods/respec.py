@@ -22,7 +22,8 @@ Every step, for every request:
    state is extended from every step's verified rows either way.
 4. *How* (3.4): the runner's relaxed verification of retrieval-drafted
    nodes (``engine/verify.relaxed_path``), LOSSY, only with
-   ``relaxed_lossy: true``.
+   ``relaxed_lossy`` (``true``, or ``"opt_in"`` for requests that send
+   ``specplug_relaxed``: ``request_flags``).
 
 Ablations: ``trigger: false`` retrieves whenever the longest key (up to
 ``l``) has an earlier occurrence; ``ema: false`` takes the most recent
@@ -32,6 +33,7 @@ occurrences unscored (both off: SAM-Decoding-like with 3 candidates).
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
@@ -85,13 +87,17 @@ class RespecConfig(Eagle3TreeConfig):
     ema: bool = True
     """Ablation switch: False drops the scores: the most recent
     ``candidates`` occurrences, no threshold, no feedback."""
-    relaxed_lossy: bool = False
+    relaxed_lossy: bool | Literal["opt_in"] = False
     """LOSSY: accept a retrieved token the target's argmax rejects when it
     is in the target's top ``relaxed_beta`` and within ``relaxed_tau_nats``
     of the top token (Eq. 6-7), at most ``relaxed_phi`` times a step, only
     if at least ``relaxed_m`` strictly accepted tokens follow it. Output is
-    then NOT plain decoding's. Greedy requests only, without logprobs or
-    penalties; other requests are refused at submission."""
+    then NOT plain decoding's. True: every request it applies to, unless
+    the request sends ``vllm_xargs: {"specplug_relaxed": false}`` (served
+    losslessly); ``"opt_in"``: only requests that send
+    ``{"specplug_relaxed": true}``. Greedy requests only, without logprobs
+    or penalties; other requests it would apply to are refused at
+    submission (HTTP 400), as is an opt-in when this is False."""
     relaxed_beta: int = Field(default=5, ge=1, le=64)
     """Eq. 6's top-k (relaxed mode)."""
     relaxed_tau_nats: float = Field(default=1.0, ge=0.0)

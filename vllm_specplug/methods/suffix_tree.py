@@ -2,7 +2,9 @@
 
 SuffixDecoding (Oliaro et al., 2024) drafts from suffix trees over the
 request's prompt and output and over earlier requests' outputs, and
-speculates a *tree* of the likeliest continuations. vLLM's built-in
+speculates a *tree* of the likeliest continuations. Earlier requests'
+outputs are kept per tenant (``isolation``): a request drafts only from
+those of requests with the same ``cache_salt``. vLLM's built-in
 ``suffix`` method uses the same suffix trees but can verify only one path,
 so it drafts that path alone. Here the whole tree is verified in one target
 pass (the plugin's tree verification), and the cost-aware budget cuts it
@@ -21,7 +23,7 @@ from vllm_specplug.config import MethodConfig, SpecplugConfigError
 from vllm_specplug.engine.interface import Proposer, ProposerContext, ProposerStats, StepRequest
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.sources import suffix_cache
-from vllm_specplug.sources.suffix_cache import SuffixCache
+from vllm_specplug.sources.suffix_cache import TenantSuffixCaches
 
 
 class SuffixTreeConfig(MethodConfig):
@@ -32,8 +34,16 @@ class SuffixTreeConfig(MethodConfig):
     """Longest context suffix matched, and deepest draft (the suffix trees'
     depth)."""
     max_cached_requests: int = Field(default=10000, ge=0)
-    """Earlier requests whose outputs stay in the global suffix tree (FIFO);
-    0 drafts from each request's own prompt and output only."""
+    """Earlier requests whose outputs stay in the global suffix trees, all
+    tenants together (FIFO: the oldest response goes first, whoever's it
+    is); 0 drafts from each request's own prompt and output only."""
+    max_tenants: int = Field(default=64, ge=1)
+    """Tenants (``cache_salt`` values, plus the public pool of requests
+    without one; see ``isolation``) that keep a global suffix tree of their
+    earlier responses. Past it, the tenant drafted for least recently that
+    has no request running loses its tree. Each tree costs memory in
+    proportion to the responses it holds, which ``max_cached_requests``
+    bounds across all tenants."""
     max_spec_factor: float = Field(default=1.0, ge=0.0)
     """A draft from a context match of ``m`` tokens holds at most
     ``max_spec_factor * m + max_spec_offset`` nodes (a short match is weak
@@ -54,12 +64,14 @@ class SuffixTreeConfig(MethodConfig):
 
 class SuffixTreeProposer(Proposer):
     name = "suffix_tree"
-    remembers_outputs = True  # the global response cache
+    remembers_outputs = True  # the global response caches
+    tenant_aware = True  # one response cache per tenant
     config_cls = SuffixTreeConfig
 
     def __init__(self, config: SuffixTreeConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
-        self.cache = SuffixCache(config.max_tree_depth, config.max_cached_requests)
+        self.cache = TenantSuffixCaches(config.max_tree_depth, config.max_cached_requests,
+                                        config.max_tenants)
 
     def add_request(self, req_id: str) -> None:
         # a request the runner saw leave is fed again from its prompt
@@ -76,7 +88,7 @@ class SuffixTreeProposer(Proposer):
                 out.append(None)
                 continue
             # every step, drafting or not: the trees must hold every token
-            self.cache.sync(req.req_id, req.token_ids, req.num_prompt_tokens)
+            self.cache.sync(req.req_id, req.tenant, req.token_ids, req.num_prompt_tokens)
             out.append(self.cache.draft(
                 req.req_id, req.token_ids, req.budget, tree=cfg.tree and not req.chain_only,
                 max_spec_factor=cfg.max_spec_factor, max_spec_offset=cfg.max_spec_offset,
@@ -86,4 +98,5 @@ class SuffixTreeProposer(Proposer):
     def stats(self) -> ProposerStats:
         # the proposer's time is the runner's (``propose_seconds``)
         return ProposerStats(gauges={"live_requests": self.cache.active,
-                                     "cached_responses": self.cache.cached})
+                                     "cached_responses": self.cache.cached,
+                                     "tenants": self.cache.tenants})

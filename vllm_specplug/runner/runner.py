@@ -47,6 +47,7 @@ from vllm_specplug.engine.verify import (
     relaxed_path,
 )
 from vllm_specplug.kernels.cache_layout import CPU_KV_LAYOUTS
+from vllm_specplug.metrics import WorkerCounters, worker_counters
 from vllm_specplug.runner.checks import (
     check_engine_config,
     check_graph_mode,
@@ -54,7 +55,9 @@ from vllm_specplug.runner.checks import (
     check_layers,
 )
 from vllm_specplug.runner.cpu_gemm import cpu_linear_routing, prepare_cpu_linears
+from vllm_specplug.request_flags import speculates, wants_relaxed
 from vllm_specplug.runner.guard import guard_for
+from vllm_specplug.tenancy import ISOLATION_SHARES, request_tenant
 from vllm_specplug.runner.tree_attention import (
     TreeAttentionWrapper,
     TreeRow,
@@ -301,7 +304,6 @@ class SpecplugRunnerMixin:
         self._sp_budget: BudgetController | None = None
         self._sp_step_t0: float | None = None
         self._sp_explore_turn = 0
-        self._sp_catch_up_failed = False  # a method's catch_up_rows raised (logged once)
         self._sp_side_seconds = 0.0  # this step's prompt LM-head pass (see _sp_fill_topk)
         # Steps seen, the last one that finished a request, the last one
         # where a new request took a finished one's place while others ran
@@ -313,6 +315,11 @@ class SpecplugRunnerMixin:
         # Share of recently finished requests that ran to max_tokens (EMA;
         # engine/budget.BudgetController.token_values)
         self._sp_length_bound = 1.0
+        # Requests that opted out of speculation (request_flags.SPECULATE):
+        # the method never sees them, they get no LM-head side work.
+        self._sp_opted_out: set[str] = set()
+        isolation = self._sp_options.get("isolation", "salt")
+        logger.info("specplug: isolation=%s (%s)", isolation, ISOLATION_SHARES[isolation])
 
     def load_model(self, *args, **kwargs) -> None:
         # the target's (and a drafter's) linear layers on the small-row CPU
@@ -334,6 +341,7 @@ class SpecplugRunnerMixin:
         cls = registry.get(self._sp_method)
         config = registry.build_config(self._sp_method, self._sp_options,
                                        self.speculative_config.num_speculative_tokens)
+        registry.check_isolation(self._sp_method, config)
         embed = _input_embeddings(model, self.model_config.get_vocab_size())
         ctx = ProposerContext(
             vocab_size=self.model_config.get_vocab_size(),
@@ -479,12 +487,19 @@ class SpecplugRunnerMixin:
             if max_tokens:
                 ran_out = len(req.output_token_ids) >= max_tokens - 1
                 self._sp_length_bound += LENGTH_BOUND_ALPHA * (ran_out - self._sp_length_bound)
+        guard = guard_for(self) if prop is not None else None
         for rid in gone:
             self._sp_trees.pop(rid, None)
             if self._sp_budget is not None:
                 self._sp_budget.forget(rid)
-            if prop is not None:
-                prop.remove_request(rid)
+            if prop is not None and not self._sp_unseen(rid):
+                # a finished request's fault adds to no streak: it is gone
+                guard.call("remove_request", lambda rid=rid: prop.remove_request(rid),
+                           None if rid in scheduler_output.finished_req_ids else rid)
+        for rid in scheduler_output.finished_req_ids:
+            self._sp_opted_out.discard(rid)
+            if guard is not None:
+                guard.forget(rid)
         running_before = set(self.input_batch.req_ids) if closed else set()
         out = super()._update_states(scheduler_output)
         self._sp_step_no += 1
@@ -501,11 +516,57 @@ class SpecplugRunnerMixin:
             self._sp_last_refill = self._sp_step_no
         if prop is not None:
             for new in scheduler_output.scheduled_new_reqs:
-                prop.add_request(new.req_id)
+                rid = new.req_id
+                if not speculates(new.sampling_params.extra_args
+                                  if new.sampling_params is not None else None):
+                    self._sp_opted_out.add(rid)
+                    continue
+                guard.call("add_request", lambda rid=rid: prop.add_request(rid), rid)
             for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
-                prop.remove_request(rid)
-                prop.add_request(rid)
+                if self._sp_unseen(rid):
+                    continue
+                guard.call("remove_request", lambda rid=rid: prop.remove_request(rid), rid)
+                if rid not in guard.stopped:
+                    guard.call("add_request", lambda rid=rid: prop.add_request(rid), rid)
+            self._sp_stop_drafting(guard.take_stopped())
         return out
+
+    def _sp_unseen(self, rid: str) -> bool:
+        """The method does not see this request: it opted out of speculation,
+        or stopped drafting after repeated faults (runner/guard.py)."""
+        guard = getattr(self, "_sp_guard", None)
+        return rid in self._sp_opted_out or (guard is not None and rid in guard.stopped)
+
+    def _sp_stop_drafting(self, req_ids: list[str]) -> None:
+        """Requests that just stopped drafting for good: drop their trees and
+        free their method state (once; they are unseen from now on)."""
+        prop, guard = self._sp_proposer, guard_for(self)
+        for rid in req_ids:
+            self._sp_trees.pop(rid, None)
+            self._sp_sourced.pop(rid, None)
+            guard.call("remove_request", lambda rid=rid: prop.remove_request(rid))
+
+    def _sp_silent_rows(self) -> set[int]:
+        """Batch rows of the ``_sp_silent`` requests: no top-k or entropy
+        is computed for them."""
+        silent = self._sp_silent()
+        if not silent:
+            return set()
+        return {i for i, rid in enumerate(self.input_batch.req_ids) if rid in silent}
+
+    def _sp_silent(self) -> set[str]:
+        """Requests that get no drafting work at all this step (no draft
+        budget, no LM-head side work, no hidden-state rows): the opted out,
+        and on a single rank those that stopped drafting. Under tensor
+        parallelism a stop is this rank's own (its method faulted), while
+        budgets and the LM-head passes (a collective) must match on every
+        rank: there such a request only stops reaching the method, and is
+        verified with rank 0's tree."""
+        silent = set(self._sp_opted_out)
+        guard = getattr(self, "_sp_guard", None)
+        if guard is not None and self.parallel_config.tensor_parallel_size == 1:
+            silent |= guard.stopped
+        return silent
 
     # ----------------------------------------------------- forward (trees)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -598,8 +659,11 @@ class SpecplugRunnerMixin:
         if not self._sp_needs.entropy or logits is None:
             return
         n_rows = logits.shape[0]
-        want = [int(base) + r for i, base in enumerate(state.logit_base)
+        skip = self._sp_silent_rows()
+        want = [int(base) + r for i, base in enumerate(state.logit_base) if i not in skip
                 for r in state.accepted_rows.get(i, [0])]
+        if not want:
+            return
         sel = np.unique(np.asarray(want, dtype=np.int64))
         sel = sel[sel < n_rows]
         where = np.full(n_rows, -1, dtype=np.int64)
@@ -617,10 +681,15 @@ class SpecplugRunnerMixin:
         n_rows = logits.shape[0]
         n_per = state.logit_rows
         want = []
+        skip = self._sp_silent_rows()
         for i, base in enumerate(state.logit_base):
+            if i in skip:
+                continue
             rel = (range(int(n_per[i])) if needs.tree_topk
                    else state.accepted_rows.get(i, [0]))
             want.extend(int(base) + r for r in rel)
+        if not want:
+            return
         sel = np.unique(np.asarray(want, dtype=np.int64))
         sel = sel[sel < n_rows]
         where = np.full(n_rows, -1, dtype=np.int64)
@@ -705,14 +774,21 @@ class SpecplugRunnerMixin:
         """Re-walk the eligible greedy trees under the relaxed rule
         (``engine/verify.relaxed_path``); returns request -> path positions
         whose tokens the rule accepted against the argmax. Eligible: greedy,
-        no logprobs, no sampling constraints (``_chain_only``)."""
+        no logprobs, no sampling constraints (``_chain_only``), and relaxed
+        for this request under the server's ``relaxed_lossy``
+        (``request_flags.wants_relaxed``: a request may opt out, or must
+        opt in)."""
         rule = self._sp_needs.relaxed
+        mode = self._sp_options.get("relaxed_lossy")
         todo = []
         for i, tree in state.trees.items():
             if i not in greedy or not self._sp_relaxable(tree):
                 continue
             req = self.requests.get(self.input_batch.req_ids[i])
             sp = req.sampling_params if req is not None else None
+            if sp is not None and not wants_relaxed(sp.extra_args, mode):
+                self._sp_stats.relaxed_opted_out += 1
+                continue
             if (sp is None or _chain_only(sp) or sp.logprobs is not None
                     or sp.prompt_logprobs is not None):
                 self._sp_stats.relaxed_ineligible += 1
@@ -765,7 +841,24 @@ class SpecplugRunnerMixin:
         # start of the step's clock (forward + verification), for the
         # cost-aware budget's step-cost curve
         self._sp_step_t0 = time.perf_counter()
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        return self._sp_with_counters(
+            super().execute_model(scheduler_output, *args, **kwargs))
+
+    def sample_tokens(self, *args, **kwargs):
+        # propose runs in here: its counters ride on this step's output
+        return self._sp_with_counters(super().sample_tokens(*args, **kwargs))
+
+    def _sp_with_counters(self, output):
+        """``output``, carrying the runner's counters to the server's
+        /metrics when they changed (``metrics.WorkerCounters``)."""
+        try:
+            channel = self.__dict__.get("_sp_counter_channel")
+            if channel is None:
+                channel = self._sp_counter_channel = WorkerCounters()
+            channel.attach(output, worker_counters(self._sp_stats))
+        except Exception:  # noqa: BLE001 - metrics never cost a step
+            pass
+        return output
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         # vLLM drafts for no request once the batch's longest sequence is
@@ -802,6 +895,7 @@ class SpecplugRunnerMixin:
                 and self.parallel_config.tensor_parallel_size == 1):
             token_s = self._sp_budget.cost(n_dec) / n_dec
         side_work = self._sp_budget.side_work if self._sp_budget is not None else True
+        silent = self._sp_silent()
         plan = []
         for i, rid in enumerate(self.input_batch.req_ids):
             n_sched = scheduler_output.num_scheduled_tokens[rid]
@@ -814,11 +908,13 @@ class SpecplugRunnerMixin:
                 first = int(state.root_row[i])
             else:
                 rel, first = list(range(n_sched)), int(qsl[i])
+            if rid in silent:
+                rel = []  # no rows gathered for a request that drafts nothing
             plan.append((n_sched, c, n_prompt, is_decode, rel, first))
         # a closed gate's exploring step asks one request for a draft
         explore = -1
         if drafting and self._sp_budget is not None and self._sp_budget.exploring:
-            explore = self._sp_pick_explorer(plan, sampled_token_ids)
+            explore = self._sp_pick_explorer(plan, sampled_token_ids, silent)
         step_rows = self._sp_gather(hidden_states, aux_hidden_states,
                                     [first + np.asarray(rel, dtype=np.int64)
                                      for *_, rel, first in plan])
@@ -832,6 +928,7 @@ class SpecplugRunnerMixin:
             req = self.requests.get(rid)
             sp = req.sampling_params if req is not None else None
             sampled = len(sampled_token_ids[i]) > 0
+            asked = drafting and explore in (-1, i) and rid not in silent
             sreq = StepRequest(
                 req_id=rid,
                 token_ids=self.input_batch.token_ids_cpu[i, :ntok],
@@ -842,12 +939,13 @@ class SpecplugRunnerMixin:
                 chain_only=_chain_only(sp),
                 draft_kept=_num_real(scheduled.get(rid, ())),
                 token_seconds=token_s,
-                drafting=drafting and explore in (-1, i),
+                drafting=asked,
                 budget=draft_budget(
                     self.speculative_config.num_speculative_tokens,
                     scheduler_output.num_spec_tokens_to_schedule,
                     self.max_model_len, ntok, sampled)
-                if drafting and explore in (-1, i) else 0,
+                if asked else 0,
+                tenant=request_tenant(sp),
             )
             n = len(rel)
             hid, layer_hid, aux = step_rows
@@ -858,6 +956,9 @@ class SpecplugRunnerMixin:
             if aux is not None:
                 sreq.aux_hidden = aux[at:at + n]
             at += n
+            batch.append(sreq)
+            if rid in silent:
+                continue  # no LM-head side work for it
             # a prompt's LM-head pass only with the gate open and proven
             # (engine/budget.DraftGate.side_work): in a closed gate's
             # exploring step only one decoding request drafts
@@ -866,14 +967,17 @@ class SpecplugRunnerMixin:
             if needs.entropy:
                 self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
-            batch.append(sreq)
         if self._sp_budget is not None and drafting:
             # rank 0's time, as every budget input (ranks must gate alike)
             self._sp_budget.observe_side(_tp_rank0_float(self._sp_side_seconds))
         self._sp_side_seconds = 0.0
         t1 = time.perf_counter()
-        # A method bug must not take the server down (runner/guard.py).
-        trees = guard_for(self).propose(self._sp_proposer, batch)
+        # A method bug must not take the server down (runner/guard.py); the
+        # method never sees the requests that opted out or stopped drafting.
+        guard = guard_for(self)
+        trees = guard.propose(self._sp_proposer, batch,
+                              skip=self._sp_opted_out | guard.stopped)
+        self._sp_stop_drafting(guard.take_stopped())
         t2 = time.perf_counter()
         if self._sp_budget is not None and all_decode:
             # rank 0's time: every tensor-parallel rank must gate alike
@@ -976,20 +1080,22 @@ class SpecplugRunnerMixin:
         return (self._sp_budget is not None and prop is not None
                 and prop.config.closed_batch_values)
 
-    def _sp_pick_explorer(self, plan, sampled_token_ids) -> int:
+    def _sp_pick_explorer(self, plan, sampled_token_ids, silent: set[str]) -> int:
         """The request a closed gate's exploring step asks for a draft:
-        round robin, cheap catch-up first (engine/budget.pick_explorer)."""
+        round robin, cheap catch-up first (engine/budget.pick_explorer);
+        never one in ``silent`` (it drafts nothing)."""
         self._sp_explore_turn += 1
-        can = [len(s) > 0 for s in sampled_token_ids[:len(plan)]]  # only these can draft
-        try:
-            # p[4]: the rows this step brings (plan's ``rel``)
-            rows = [self._sp_proposer.catch_up_rows(rid, len(p[4])) if ok else None
-                    for rid, p, ok in zip(self.input_batch.req_ids, plan, can)]
-        except Exception:  # noqa: BLE001 - a method bug must not stop serving
-            if not self._sp_catch_up_failed:  # say so once
-                logger.exception("specplug: catch_up_rows failed; exploring round robin")
-                self._sp_catch_up_failed = True
-            rows = [0 if ok else None for ok in can]
+        guard, prop = guard_for(self), self._sp_proposer
+        rows = []
+        for rid, p, s in zip(self.input_batch.req_ids, plan, sampled_token_ids):
+            if len(s) == 0 or rid in silent:  # only these can draft
+                rows.append(None)
+            elif self._sp_unseen(rid):
+                rows.append(0)  # nothing held for it: the method no longer sees it
+            else:  # p[4]: the rows this step brings (plan's ``rel``)
+                rows.append(guard.call(
+                    "catch_up_rows", lambda rid=rid, n=len(p[4]): prop.catch_up_rows(rid, n),
+                    rid, default=0))
         pick = pick_explorer(self._sp_explore_turn, rows)
         return pick if pick >= 0 else -2  # none samples: nobody drafts (-1 is everybody)
 
@@ -1101,8 +1207,15 @@ class SpecplugRunnerMixin:
         if self._sp_budget is not None:
             stats["budget"] = self._sp_budget.as_dict()
         if self._sp_proposer is not None:
-            own = self._sp_proposer.stats()
-            stats["method"] = self._sp_proposer.report(own)
-            # Which of those are running totals (the rest are levels/rates).
-            stats["method_counters"] = sorted(own.counters)
+            prop = self._sp_proposer
+            own = guard_for(self).call("stats", prop.stats)
+            report = None if own is None else guard_for(self).call(
+                "stats", lambda: prop.report(own))
+            if report is None:  # the method's own counters failed (counted, logged)
+                stats["method"] = {"error": "the method's stats() raised; see the log"}
+                stats["method_counters"] = []
+            else:
+                stats["method"] = report
+                # Which of those are running totals (the rest are levels/rates).
+                stats["method_counters"] = sorted(own.counters)
         return stats

@@ -2,7 +2,8 @@
 each token (Token Recycling; Graft's retrieval matrix).
 
 One ``[vocab_size, k]`` int32 tensor lives on the engine's device and is
-shared by all requests: transitions seen in one request help the next. A row
+shared by the requests that draft from it (one tenant's, see
+``adjacency_drafter.py``): transitions seen in one request help the next. A row
 is overwritten whole whenever its token is verified again, so the table
 follows the current context. Rows never written hold -1 ("untouched") rather
 than Token Recycling's zeros, so an expansion can tell "no evidence" from

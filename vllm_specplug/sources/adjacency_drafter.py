@@ -5,10 +5,13 @@ Every token the target verifies (prompt positions at prefill, every tree
 node at decode, accepted or rejected) leaves its top-k next tokens in an
 ``AdjacencyTable``; a ``TreeTemplate`` expanded from a request's last token
 turns that table into a draft tree. Needs ``Needs(topk=k,
-prefill_topk=True, tree_topk=True)`` from the runner.
+prefill_topk=True, tree_topk=True)`` from the runner. Tables are kept per
+tenant, so requests learn from and draft from only their own tenant's steps.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -19,35 +22,104 @@ from vllm_specplug.sources.template import TreeTemplate
 
 
 class AdjacencyDrafter:
-    """One shared table, learned from every step, and optionally one per
-    running request (a copy of the shared one when it arrives, then updated
-    with that request's own steps only)."""
+    """Adjacency tables by tenant (:mod:`vllm_specplug.tenancy`).
+
+    The start-up table (a ``table_path`` warm start, or an empty one) stays
+    ``pristine``: it holds no request's text. Each tenant learns in its own
+    copy of it, so a request drafts only from its own tenant's past steps;
+    at most ``max_tenants`` copies are kept, least recently used first out.
+    A request without a tenant (isolation ``strict``, or untagged) learns in
+    a copy of its own, freed when it ends. With ``per_request_tables``,
+    every running request drafts from its own copy of its tenant's table
+    (taken when it first steps, then updated with its own steps only) while
+    the tenant's table still learns from all of them, for the requests that
+    come later."""
 
     def __init__(self, table: AdjacencyTable, template: TreeTemplate,
-                 per_request_tables: bool = False) -> None:
-        self.table = table
-        """The shared table (the warm start of per-request tables)."""
+                 per_request_tables: bool = False, max_tenants: int = 64) -> None:
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        self.pristine = table
+        """The start-up table: every tenant's and every private table's start."""
         self.template = template
         self.per_request_tables = per_request_tables
-        self._own: dict[str, AdjacencyTable] = {}  # per_request_tables only
+        self.max_tenants = max_tenants
+        self._tenant_tables: OrderedDict[str, AdjacencyTable] = OrderedDict()  # LRU order
+        self._own: dict[str, AdjacencyTable] = {}  # per-request tables
+        self._tenant: dict[str, str | None] = {}  # req_id -> tenant, from its first step
 
     @property
     def tables(self) -> list[AdjacencyTable]:
-        return [self.table, *self._own.values()]
+        """Every table held: the pristine one, the tenants', the requests' own."""
+        return [self.pristine, *self._tenant_tables.values(), *self._own.values()]
+
+    @property
+    def num_tenants(self) -> int:
+        return len(self._tenant_tables)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests seen and not removed yet."""
+        return len(self._tenant)
 
     def add_request(self, req_id: str) -> None:
-        if self.per_request_tables:
-            self._own[req_id] = self.table.clone()
+        """Nothing yet: the request's tenant arrives with its first step."""
 
     def remove_request(self, req_id: str) -> None:
         self._own.pop(req_id, None)
+        self._tenant.pop(req_id, None)
 
-    def table_of(self, req_id: str) -> AdjacencyTable:
-        if not self.per_request_tables:
-            return self.table
-        if req_id not in self._own:  # e.g. the runner skipped add_request
-            self._own[req_id] = self.table.clone()
-        return self._own[req_id]
+    # ------------------------------------------------------------ tables
+    def tenant_table(self, tenant: str) -> AdjacencyTable:
+        """The tenant's learned table (a copy of the pristine one the first
+        time, or again after it was evicted)."""
+        table = self._tenant_tables.get(tenant)
+        if table is not None:
+            self._tenant_tables.move_to_end(tenant)
+            return table
+        self._evict_for_one_more()
+        table = self._tenant_tables[tenant] = self.pristine.clone()
+        return table
+
+    def _evict_for_one_more(self) -> None:
+        """Make room under ``max_tenants``: the least recently used tenant
+        without a running request goes first; only when every kept tenant has
+        one does a running tenant lose its table (its requests go on from a
+        fresh copy: fewer accepted tokens, never a wrong one)."""
+        while len(self._tenant_tables) >= self.max_tenants:
+            running = set(self._tenant.values())
+            idle = next((t for t in self._tenant_tables if t not in running), None)
+            del self._tenant_tables[idle if idle is not None
+                                    else next(iter(self._tenant_tables))]
+
+    def _bind(self, req: StepRequest) -> str | None:
+        """The request's tenant, remembered for ``remove_request`` (which
+        gets only the id). A tenant that changes mid-request drops the
+        request's own table: it was a copy of the other tenant's."""
+        if req.req_id in self._tenant and self._tenant[req.req_id] != req.tenant:
+            self._own.pop(req.req_id, None)
+        self._tenant[req.req_id] = req.tenant
+        return req.tenant
+
+    def table_of(self, req: StepRequest) -> AdjacencyTable:
+        """The table ``req`` drafts from and learns in."""
+        tenant = self._bind(req)
+        if tenant is not None and not self.per_request_tables:
+            return self.tenant_table(tenant)
+        own = self._own.get(req.req_id)
+        if own is None:
+            start = self.pristine if tenant is None else self.tenant_table(tenant)
+            own = self._own[req.req_id] = start.clone()
+        return own
+
+    @staticmethod
+    def _by_table(tables: list[AdjacencyTable]) -> list[tuple[AdjacencyTable, list[int]]]:
+        """Batch indices grouped by the table they use, in batch order
+        within a group (the same on every rank)."""
+        groups: dict[int, tuple[AdjacencyTable, list[int]]] = {}
+        for i, table in enumerate(tables):
+            groups.setdefault(id(table), (table, []))[1].append(i)
+        return list(groups.values())
 
     # ------------------------------------------------------------ learning
     @staticmethod
@@ -70,35 +142,43 @@ class AdjacencyDrafter:
             topk.append(req.topk_ids[:n].long())
         return toks, topk
 
-    def learn(self, batch: list[StepRequest]) -> None:
-        if self.per_request_tables:
-            for req in batch:
-                toks, topk = self.rows(req)
-                if toks:
-                    self.table_of(req.req_id).update(torch.cat(toks), torch.cat(topk))
-        # The shared table learns from every request either way: it is the
-        # start of the requests that arrive later (per_request_tables) or
-        # the one table (otherwise). One update for the whole batch, in batch
-        # order (the same on every rank).
-        toks, topk = [], []
-        for req in batch:
-            t, k = self.rows(req)
-            toks += [x.to(self.table.device) for x in t]
-            topk += [x.to(self.table.device) for x in k]
+    def _update(self, table: AdjacencyTable, rows: list[tuple[list, list]]) -> None:
+        """One update of ``table`` with the rows of several requests, in order."""
+        toks = [x.to(table.device) for t, _ in rows for x in t]
+        topk = [x.to(table.device) for _, k in rows for x in k]
         if toks:
-            self.table.update(torch.cat(toks), torch.cat(topk))
+            table.update(torch.cat(toks), torch.cat(topk))
+
+    def learn(self, batch: list[StepRequest]) -> None:
+        """Each table learns from the rows of the requests that use it: one
+        update per table, in batch order."""
+        rows = [self.rows(req) for req in batch]
+        # Every table is looked up before any learns: a request's new own
+        # table starts from what its tenant knew before this step.
+        tables = [self.table_of(req) for req in batch]
+        for table, idx in self._by_table(tables):
+            self._update(table, [rows[i] for i in idx])
+        if self.per_request_tables:
+            # The tenant's table learns from all its requests, for later ones.
+            shared = [self.tenant_table(req.tenant) if req.tenant is not None else None
+                      for req in batch]
+            for table, idx in self._by_table(shared):
+                if table is not None:
+                    self._update(table, [rows[i] for i in idx])
 
     # ------------------------------------------------------------ drafting
-    def expand(self, reqs: list[StepRequest]) -> list[list[int]]:
-        """The whole template expanded from each request's last token."""
-        roots = [req.last_token for req in reqs]
-        if self.per_request_tables:
-            return [
-                self.template.expand(self.table_of(req.req_id), torch.tensor([root]))[0].tolist()
-                for req, root in zip(reqs, roots)
-            ]
-        out = self.template.expand(self.table, torch.tensor(roots, dtype=torch.long))
-        return out.cpu().tolist()  # the one host sync of the step
+    def expand(self, reqs: list[StepRequest],
+               template: TreeTemplate | None = None) -> list[list[int]]:
+        """``template`` (the drafter's own by default) expanded from each
+        request's last token through the request's table: one expansion,
+        and one host sync, per table."""
+        template = self.template if template is None else template
+        out: list[list[int]] = [[] for _ in reqs]
+        for table, idx in self._by_table([self.table_of(req) for req in reqs]):
+            roots = torch.tensor([reqs[i].last_token for i in idx], dtype=torch.long)
+            for i, row in zip(idx, template.expand(table, roots).cpu().tolist()):
+                out[i] = row
+        return out
 
     def tree(self, row: list[int], budget: int, chain_only: bool) -> DraftTree | None:
         """An expanded row as a draft tree of at most ``budget`` nodes."""

@@ -5,7 +5,9 @@ The trees themselves are Arctic Inference's ``SuffixDecodingCache`` (C++; the
 library vLLM's own ``suffix`` method uses, built by ``scripts/setup.sh``):
 one suffix tree per running request over its prompt and output, and one
 global tree over the outputs of up to ``max_cached_requests`` earlier and
-running requests, each node counting how often its continuation occurred.
+running requests (one per tenant, ``TenantSuffixCaches``: requests draft
+only from responses of requests with the same ``cache_salt``), each node
+counting how often its continuation occurred.
 A draft follows the longest matches of the context's last tokens and
 expands the continuations best-first by their count-based probability.
 
@@ -27,6 +29,7 @@ continuations were seen there too).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import numpy as np
@@ -81,11 +84,14 @@ class SuffixCache:
         self.max_tree_depth = max_tree_depth
         self._fed: dict[str, int] = {}  # req_id -> tokens in its trees
 
-    def sync(self, req_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> None:
+    def sync(self, req_id: str, token_ids: np.ndarray, num_prompt_tokens: int) -> bool:
         """Feed ``req_id``'s tokens that its trees do not hold yet (a request
-        seen for the first time starts with its prompt)."""
+        seen for the first time starts with its prompt). True when the
+        request started here (its response is then cached globally, if this
+        cache keeps responses)."""
         fed = self._fed.get(req_id)
-        if fed is None:
+        started = fed is None
+        if started:
             # start_request evicts a response cached under the same id (a
             # preempted request coming back): it is fed again below
             self._cache.start_request(
@@ -96,12 +102,18 @@ class SuffixCache:
                 req_id, np.ascontiguousarray(token_ids[fed:], dtype=np.int32))
             fed = len(token_ids)
         self._fed[req_id] = fed
+        return started
 
     def stop(self, req_id: str) -> None:
         """The request left (finished, aborted, preempted): drop its own tree;
         its response stays in the global tree for later requests."""
         if self._fed.pop(req_id, None) is not None:
             self._cache.stop_request(req_id)
+
+    def evict(self, req_id: str) -> None:
+        """Drop ``req_id``'s response from the global tree, if it is there."""
+        if req_id in self._cache.cached_requests:
+            self._cache.evict_cached_response(req_id)
 
     def draft(self, req_id: str, token_ids: np.ndarray, max_nodes: int, *,
               tree: bool = True, max_spec_factor: float = 1.0,
@@ -127,3 +139,107 @@ class SuffixCache:
     @property
     def cached(self) -> int:
         return len(self._cache.cached_requests)
+
+
+_UNSEEN = object()
+
+
+class TenantSuffixCaches:
+    """One ``SuffixCache`` per tenant (``StepRequest.tenant``): a request
+    drafts from its own trees and from the responses of its own tenant only.
+
+    Tenant None (isolation ``strict``, or a request the engine core did not
+    tag) gets a cache that keeps no response: each such request drafts from
+    its own prompt and output only. At most ``max_tenants`` tenants keep a
+    cache; past that the least recently drafted-for tenant without a live
+    request loses its cache (its earlier responses), so the bound can be
+    passed only while every cached tenant has a request running. Responses
+    are counted across tenants: ``max_cached_requests`` in all, the oldest
+    evicted first whichever tenant it belongs to, so memory does not grow
+    with the number of tenants.
+    """
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
+                 max_tenants: int = 64) -> None:
+        self.max_tree_depth = max_tree_depth
+        self.max_cached_requests = max_cached_requests
+        self.max_tenants = max_tenants
+        self._caches: OrderedDict[str, SuffixCache] = OrderedDict()  # least recent first
+        self._private = SuffixCache(max_tree_depth, max_cached_requests=0)
+        self._tenant_of: dict[str, str | None] = {}  # live request -> its tenant
+        # every tenant's cached responses, oldest first
+        self._responses: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def sync(self, req_id: str, tenant: str | None, token_ids: np.ndarray,
+             num_prompt_tokens: int) -> None:
+        """``SuffixCache.sync`` in the cache of ``tenant``."""
+        if self._tenant_of.get(req_id, tenant) != tenant:
+            self.stop(req_id)  # never fed to two tenants' trees
+        cache = self._cache_of(tenant)
+        self._tenant_of[req_id] = tenant
+        if cache.sync(req_id, token_ids, num_prompt_tokens) and tenant is not None:
+            self._count_response(tenant, req_id)
+
+    def stop(self, req_id: str) -> None:
+        """``SuffixCache.stop`` in the cache the request was fed to."""
+        tenant = self._tenant_of.pop(req_id, _UNSEEN)
+        if tenant is _UNSEEN:
+            return
+        cache = self._private if tenant is None else self._caches.get(tenant)
+        if cache is not None:
+            cache.stop(req_id)
+
+    def draft(self, req_id: str, token_ids: np.ndarray, max_nodes: int,
+              **kwargs) -> DraftTree | None:
+        """``SuffixCache.draft`` for a synced request, from its tenant's trees."""
+        tenant = self._tenant_of.get(req_id, _UNSEEN)
+        if tenant is _UNSEEN:
+            return None
+        cache = self._private if tenant is None else self._caches[tenant]
+        return cache.draft(req_id, token_ids, max_nodes, **kwargs)
+
+    def _cache_of(self, tenant: str | None) -> SuffixCache:
+        if tenant is None:
+            return self._private
+        cache = self._caches.get(tenant)
+        if cache is None:
+            # each tenant's own FIFO never evicts before the count across
+            # tenants does (_count_response)
+            cache = SuffixCache(self.max_tree_depth, self.max_cached_requests)
+            self._caches[tenant] = cache
+            self._drop_idle_tenants(keep=tenant)
+        self._caches.move_to_end(tenant)
+        return cache
+
+    def _drop_idle_tenants(self, keep: str) -> None:
+        while len(self._caches) > self.max_tenants:
+            idle = next((t for t, c in self._caches.items() if t != keep and not c.active),
+                        None)
+            if idle is None:  # every other tenant has a request running
+                return
+            del self._caches[idle]
+            for key in [k for k in self._responses if k[0] == idle]:
+                del self._responses[key]
+
+    def _count_response(self, tenant: str, req_id: str) -> None:
+        if not self.max_cached_requests:
+            return
+        self._responses[(tenant, req_id)] = None
+        self._responses.move_to_end((tenant, req_id))
+        while len(self._responses) > self.max_cached_requests:
+            (old_tenant, old_req), _ = self._responses.popitem(last=False)
+            cache = self._caches.get(old_tenant)
+            if cache is not None:
+                cache.evict(old_req)
+
+    @property
+    def tenants(self) -> int:
+        return len(self._caches)
+
+    @property
+    def active(self) -> int:
+        return self._private.active + sum(c.active for c in self._caches.values())
+
+    @property
+    def cached(self) -> int:
+        return sum(c.cached for c in self._caches.values())
