@@ -86,6 +86,9 @@ VERIFY_COST = (
 
 SOAK_GLOB = "soak_*.json"
 
+# Tau per tenant-isolation mode on a workload where tenants ask the same questions.
+ISOLATION = "isolation_tau.json"
+
 # Outputs of the studies in benchmarks/studies/, linked, not tabulated.
 STUDY_OUTPUTS = (
     ("respec_entropy.json", "benchmarks.studies.respec_entropy",
@@ -105,5 +108,5 @@ def files() -> list[str]:
     names = [r.file for r in ALL_METHODS.values()]
     names += [f for r in ALL_METHODS.values() for f, _ in r.reruns]
     names += [r.file for r in METHOD_RUNS] + [f for f, _ in VERIFY_COST]
-    names += [f for f, _, _ in STUDY_OUTPUTS]
+    names += [f for f, _, _ in STUDY_OUTPUTS] + [ISOLATION]
     return names + sorted(p.name for p in RESULTS_DIR.glob(SOAK_GLOB))

@@ -3,7 +3,7 @@
 ``python -m benchmarks.report`` writes both; ``--check`` compares them. A
 generated block in README.md or docs/**/*.md is the text between
 
-    <!-- BEGIN generated: benchmarks.report summary -->      (or: method NAME)
+    <!-- BEGIN generated: benchmarks.report summary -->  (or: method NAME, isolation)
     <!-- END generated -->
 
 and only that text is replaced; everything else in the file stays byte for byte.
@@ -20,7 +20,8 @@ from benchmarks import canonical as C
 from benchmarks.report import record_draft_rate, record_tau, run_mode
 
 COMMAND = "python -m benchmarks.report"
-BLOCK = re.compile(r"(<!-- BEGIN generated: benchmarks\.report (summary|method ([\w@.-]+)) -->\n)"
+BLOCK = re.compile(r"(<!-- BEGIN generated: benchmarks\.report "
+                   r"(summary|isolation|method ([\w@.-]+)) -->\n)"
                    r"(.*?)(<!-- END generated -->)", re.S)
 SPEEDUP_NOTE = (
     "Speedups are against stock vLLM plain decoding (`none`). The specplug engines also "
@@ -246,6 +247,29 @@ def soak_section() -> list[str]:
     return out + [""]
 
 
+def isolation_table() -> list[str]:
+    d = C.load(C.ISOLATION)
+    w = d["workload"]
+    out = [f"{w['prompts']} prompts from {', '.join(w['suites'])}, each asked in turn by "
+           f"{w['tenants']} tenants (one `cache_salt` each), one request at a time, "
+           f"{w['max_tokens']} tokens, greedy, {w['dtype']}; {_machine(d.get('machine'))}; "
+           f"commit {_commit(d.get('git'))}. `{d['command'].strip()}`", "",
+           "| method | isolation | tau | tau, first asker | tau, later askers | identical |",
+           "|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        out.append(f"| {r['method']} | `{r['isolation']}` | {_f(r['tau'])} | "
+                   f"{_f(r['tau_first_asker'])} | {_f(r['tau_later_askers'])} | "
+                   f"{'yes' if r['identical'] else 'NO'} |")
+    return out
+
+
+def isolation_section() -> list[str]:
+    return ["## Tenant isolation and acceptance", "",
+            "`python -m benchmarks.studies.isolation_tau`: what each `isolation` mode costs "
+            "in tokens per target pass when tenants ask the same questions.", "",
+            *isolation_table(), ""]
+
+
 # ------------------------------------------------------------- RESULTS.md
 def results_md() -> str:
     out = ["# Benchmark results", "",
@@ -267,12 +291,13 @@ def results_md() -> str:
            ""]
     out += ["## Contents", ""] + [
         f"- {r.title}" for r in (*C.ALL_METHODS.values(), *C.METHOD_RUNS)] + [
-        "- Cost of one verification step", "- Soak runs", "- Study outputs", ""]
+        "- Cost of one verification step", "- Soak runs", "- Tenant isolation and acceptance",
+        "- Study outputs", ""]
     for run in C.ALL_METHODS.values():
         out += run_section(run)
     for run in C.METHOD_RUNS:
         out += run_section(run)
-    out += verify_cost_section() + soak_section()
+    out += verify_cost_section() + soak_section() + isolation_section()
     out += ["## Study outputs", ""] + [
         f"- {file_link(name)} (`python -m {cmd}`): {what}"
         for name, cmd, what in C.STUDY_OUTPUTS] + [""]
@@ -353,7 +378,13 @@ def fill_blocks(text: str, path: Path) -> str:
     link = _rel(C.RESULTS_MD, path)
 
     def render(m: re.Match) -> str:
-        body = summary_block(link) if m.group(2) == "summary" else method_block(m.group(3), link)
+        kind = m.group(2)
+        if kind == "summary":
+            body = summary_block(link)
+        elif kind == "isolation":
+            body = "\n".join(isolation_table() + ["", f"Runs, machine and commands: [RESULTS.md]({link})."])
+        else:
+            body = method_block(m.group(3), link)
         return f"{m.group(1)}\n{body}\n\n{m.group(5)}"
 
     return BLOCK.sub(render, text)

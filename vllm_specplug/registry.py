@@ -36,6 +36,8 @@ _METHODS: dict[str, str] = {
     "reader": "vllm_specplug.methods.reader:ReaderProposer",
     "suffix_tree": "vllm_specplug.methods.suffix_tree:SuffixTreeProposer",
 }
+SHIPPED: tuple[str, ...] = tuple(sorted(_METHODS))
+"""The methods this package ships (``register`` may add others at run time)."""
 
 
 def register(name: str, target: str) -> None:

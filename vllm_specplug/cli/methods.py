@@ -82,10 +82,10 @@ def options_text(name: str) -> str:
 
 
 def markdown_document(names: list[str] | None = None) -> str:
-    """``docs/options.md``: every method's option table."""
+    """``docs/options.md``: the option table of every method the package ships."""
     from vllm_specplug import registry
 
-    return "\n".join([MARKDOWN_HEADER, *(options_markdown(n) for n in names or registry.names())])
+    return "\n".join([MARKDOWN_HEADER, *(options_markdown(n) for n in names or registry.SHIPPED)])
 
 
 def _run(args) -> int:

@@ -1096,7 +1096,10 @@ class SpecplugRunnerMixin:
                 rows.append(guard.call(
                     "catch_up_rows", lambda rid=rid, n=len(p[4]): prop.catch_up_rows(rid, n),
                     rid, default=0))
-        pick = pick_explorer(self._sp_explore_turn, rows)
+        # Rank 0's pick: catch-up rows and stopped requests are each rank's
+        # own, and ranks that gave different requests a budget would verify
+        # different trees.
+        pick = int(_tp_rank0_float(float(pick_explorer(self._sp_explore_turn, rows))))
         return pick if pick >= 0 else -2  # none samples: nobody drafts (-1 is everybody)
 
     def _sp_remaining(self, batch) -> list[int] | None:
