@@ -1099,7 +1099,9 @@ class SpecplugRunnerMixin:
         # Rank 0's pick: catch-up rows and stopped requests are each rank's
         # own, and ranks that gave different requests a budget would verify
         # different trees.
-        pick = int(_tp_rank0_float(float(pick_explorer(self._sp_explore_turn, rows))))
+        pick = pick_explorer(self._sp_explore_turn, rows)
+        if self.parallel_config.tensor_parallel_size > 1:
+            pick = int(_tp_rank0_float(float(pick)))
         return pick if pick >= 0 else -2  # none samples: nobody drafts (-1 is everybody)
 
     def _sp_remaining(self, batch) -> list[int] | None:
