@@ -21,9 +21,11 @@ RESULTS_MD = REPO_ROOT / "benchmarks" / "RESULTS.md"
 
 @dataclass(frozen=True)
 class Run:
-    """One ``benchmarks.run`` file and the re-runs that re-measured some of
-    its cells with more repeats (shown beside it; in the summaries a re-run's
-    cell replaces the run's, the better estimate of the same thing)."""
+    """One ``benchmarks.run`` file. ``reruns``: files of the first result
+    format (``schema_version`` 1) that re-measured some of its cells alone
+    (shown beside it; in the summaries such a cell replaces the run's). The
+    protocol no longer re-runs single cells: ``benchmarks.results_md``
+    refuses re-runs of a run in a later format."""
 
     file: str
     title: str
@@ -31,19 +33,21 @@ class Run:
     reruns: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 
-# The headline runs: every method beside vLLM's built-ins, one file per batch size.
-ALL_METHODS = {
-    1: Run("all_methods_b1.json", "Every method, batch 1",
+# The headline runs: every method beside vLLM's built-ins, per batch size one
+# run, or several whole runs over disjoint suites where one run would not fit
+# a machine's time window (docs/benchmarks.md, "Protocol").
+ALL_METHODS: dict[int, tuple[Run, ...]] = {
+    1: (Run("all_methods_b1.json", "Every method, batch 1",
            "Every specplug method beside vLLM's built-ins (`ngram`, `suffix`, `eagle3`) "
            "and plain decoding, Spec-Bench's seven categories and HumanEval's odd half.",
            reruns=(("all_methods_b1_repeats.json",
                     "The run's two lowest specplug cells (one timed call each) "
-                    "re-measured with 3 repeats."),)),
-    8: Run("all_methods_b8.json", "Every method, batch 8",
+                    "re-measured with 3 repeats."),)),),
+    8: (Run("all_methods_b8.json", "Every method, batch 8",
            "The same methods and suites with 8 requests in flight.",
            reruns=(("all_methods_b8_recycle.json",
                     "`recycle` re-measured alone beside plain decoding: it remembers "
-                    "earlier outputs, so each of its cells in the main run is one call."),)),
+                    "earlier outputs, so each of its cells in the main run is one call."),)),),
 }
 
 SHARED_MACHINE = (" Tau is the figure here: this run shared the machine with another, one core each, "
@@ -105,8 +109,9 @@ def load(name: str) -> dict:
 
 def files() -> list[str]:
     """Every file RESULTS.md reads (for the test that they all exist)."""
-    names = [r.file for r in ALL_METHODS.values()]
-    names += [f for r in ALL_METHODS.values() for f, _ in r.reruns]
+    headline = [r for parts in ALL_METHODS.values() for r in parts]
+    names = [r.file for r in headline]
+    names += [f for r in headline for f, _ in r.reruns]
     names += [r.file for r in METHOD_RUNS] + [f for f, _ in VERIFY_COST]
     names += [f for f, _, _ in STUDY_OUTPUTS] + [ISOLATION]
     return names + sorted(p.name for p in RESULTS_DIR.glob(SOAK_GLOB))

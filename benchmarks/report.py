@@ -92,10 +92,19 @@ def identical_cell(rec: dict) -> str:
             f"{rec['token_match_rate']:.0%} tok)")
 
 
+def min_max(rec: dict, name: str) -> str:
+    """``rec``'s ``name``_min–``name``_max (``-`` without several passes)."""
+    lo, hi = rec.get(f"{name}_min"), rec.get(f"{name}_max")
+    if lo is None or hi is None or (rec.get("passes") or 0) < 2:
+        return "-"
+    return f"{lo:.2f}-{hi:.2f}"
+
+
 def table(doc: dict) -> str:
     """The human-readable table: one line per record, grouped by batch size."""
-    head = (f"{'method':<10} {'suite':<26} {'B':>3} {'tau':>5} {'tok/s':>8} {'speedup':>7} "
-            f"{'MAL':>5} {'draft%':>6} {'ceil-p':>6} {'ceil+p':>6} {'prop%':>6} "
+    head = (f"{'method':<10} {'suite':<26} {'B':>3} {'tau':>5} {'spec-x':>6} "
+            f"{'min-max':>9} {'speedup':>7} {'kernel':>6} {'draft%':>6} {'n':>2} "
+            f"{'tok/s':>8} {'MAL':>5} {'ceil-p':>6} {'ceil+p':>6} {'prop%':>6} "
             f"{'peakMiB':>8}  identical")
     lines = [f"mode: {run_mode(doc)}; {describe(doc['run'].get('machine') or {})}"]
     for b in doc["run"]["batch_sizes"]:
@@ -120,9 +129,13 @@ def table(doc: dict) -> str:
             lines.append(
                 f"{r['method']:<10} {r['suite'][:26]:<26} {b:>3} "
                 f"{_fmt(record_tau(r), '5.2f'):>5} "
-                f"{_fmt(r['tokens_per_s'], '8.1f'):>8} {speed:>7} "
-                f"{_fmt(r['mean_accepted_length'], '5.2f'):>5} "
+                f"{_fmt(r.get('speculation_speedup'), '5.2f'):>6} "
+                f"{min_max(r, 'speculation_speedup'):>9} {speed:>7} "
+                f"{_fmt(r.get('kernel_speedup'), '5.2f'):>6} "
                 f"{_fmt(None if rate is None else 100 * rate, '6.1f'):>6} "
+                f"{_fmt(r.get('passes'), '2d'):>2} "
+                f"{_fmt(r['tokens_per_s'], '8.1f'):>8} "
+                f"{_fmt(r['mean_accepted_length'], '5.2f'):>5} "
                 f"{_fmt(r['self_repetition'], '6.2f'):>6} "
                 f"{_fmt(r['self_repetition_with_prompt'], '6.2f'):>6} "
                 f"{_fmt(None if share is None else 100 * share, '6.1f'):>6} "
@@ -130,7 +143,10 @@ def table(doc: dict) -> str:
                 + (f"  ({r['reason']})" if r["status"] != "ok" and r["reason"] else ""))
     lines.append(
         "\ntau: tokens per target pass per request, generated / (generated - accepted). "
-        "MAL: mean accepted length 1 + accepted/drafts (vLLM counters), which leaves out "
+        "spec-x: speculation speedup, tokens/s over `plain` (the plugin's engine drafting "
+        "nothing; vLLM's own methods: over `none`), median of the passes, min-max beside it. "
+        "speedup: over `none` (stock vLLM). kernel: `plain` over `none`, what the plugin's CPU "
+        "linear kernel earns without speculation. n: timed passes. MAL: mean accepted length 1 + accepted/drafts (vLLM counters), which leaves out "
         "the passes without a draft; draft%: drafts per target pass. ceil-p / ceil+p: "
         "READER self-repetition of the `none` outputs without / with the prompt. "
         "prop%: proposer time / wall time (specplug methods).")
@@ -139,7 +155,8 @@ def table(doc: dict) -> str:
 
 def markdown(doc: dict) -> str:
     """The run as Markdown: per batch size, one row per method and one column
-    per suite, ``tau / tok/s (speedup) / mean accepted length (draft rate)``,
+    per suite, ``tau / tok/s (speedup, speculation speedup) / mean accepted
+    length (draft rate)``,
     then whether every output was identical to ``none``; the self-repetition
     ceiling as a last row. Methods compare on ``tau`` (first): a mean accepted
     length alone flatters a method that rarely drafts."""
@@ -150,7 +167,8 @@ def markdown(doc: dict) -> str:
         recs = {(r["method"], r["suite"]): r for r in doc["records"] if r["batch_size"] == b}
         methods = list(dict.fromkeys(m for m, _ in recs))
         out.append(f"**batch {b}** ({mode}): tau, tokens per target pass / tokens/s "
-                   "(speedup vs none) / mean accepted length (drafts per pass)\n")
+                   "(speedup vs none, speculation speedup vs plain) / mean accepted "
+                   "length (drafts per pass)\n")
         out.append("| method | " + " | ".join(suites) + " | identical |")
         out.append("|---" * (len(suites) + 2) + "|")
         for m in methods:
@@ -163,8 +181,10 @@ def markdown(doc: dict) -> str:
                 if r["status"] != "ok":
                     cells.append(r["status"])
                     continue
+                spec = r.get("speculation_speedup")
                 cell = (f"{_fmt(record_tau(r), '.2f')} / {r['tokens_per_s']:.1f} "
-                        f"({_fmt(r['speedup'], '.2f')}x)")
+                        f"({_fmt(r['speedup'], '.2f')}x"
+                        + ("" if spec is None else f", speculation {spec:.2f}x") + ")")
                 if r["mean_accepted_length"] is not None:
                     rate = record_draft_rate(r)
                     cell += f" / {r['mean_accepted_length']:.2f}"
@@ -281,9 +301,14 @@ def _generate(check: bool) -> int:
     return 0
 
 
+PLOT_PANELS = (("tau", "tau, tokens per target pass"),
+               ("speculation_speedup", "speculation speedup vs plain"),
+               ("speedup", "speedup vs none (plain's bar: the kernel)"))
+
+
 def plot(doc: dict, path: str) -> None:
-    """Speedup and tau (tokens per target pass) per suite (one row per batch
-    size); the tau panel marks the self-repetition ceilings (tokens per
+    """Tau (tokens per target pass), speculation speedup and speedup per
+    suite (one row per batch size); the tau panel marks the self-repetition ceilings (tokens per
     pointer advance: the tau that copying could reach)."""
     import matplotlib
 
@@ -295,16 +320,15 @@ def plot(doc: dict, path: str) -> None:
     suites = [s["name"] for s in doc["run"]["suites"] if s["available"]]
     methods = [m["name"] for m in doc["run"]["methods"]]
     height = 3.6 * len(batches) + 0.6
-    fig, axes = plt.subplots(len(batches), 2, figsize=(max(8, 2.2 * len(suites) + 4), height),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(batches), len(PLOT_PANELS),
+                             figsize=(max(12, 3.3 * len(suites) + 6), height), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     legend: dict = {}
     for row, b in enumerate(batches):
-        for col, (key, label) in enumerate((("speedup", "speedup vs none"),
-                                            ("tau", "tau, tokens per target pass"))):
+        for col, (key, label) in enumerate(PLOT_PANELS):
             ax = axes[row][col]
             def value(r, key=key):
-                return record_tau(r) if key == "tau" else r[key]
+                return record_tau(r) if key == "tau" else r.get(key)
 
             shown = [m for m in methods if m != "none" and any(
                 r["method"] == m and r["batch_size"] == b and value(r) is not None
@@ -319,7 +343,7 @@ def plot(doc: dict, path: str) -> None:
                 xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(suites))]
                 ax.bar(xs, vals, width, label=m,
                        color=colors[methods.index(m) % len(colors)])
-            if key == "speedup":
+            if key != "tau":
                 ax.axhline(1.0, color="black", lw=0.8, ls="--")
             else:
                 for j, s in enumerate(suites):

@@ -29,6 +29,13 @@ SPEEDUP_NOTE = (
     "kernel; tau (tokens per target pass) is the speculation figure.")
 
 
+SPECULATION_NOTE = (
+    "Speculation speedups are against `plain`, the plugin's engine drafting nothing, in "
+    "the same run (vLLM's built-ins run stock: against `none`); speedups are against stock "
+    "vLLM plain decoding (`none`) and include the plugin's CPU linear kernel, whose own "
+    "gain is `plain`'s speedup.")
+
+
 def _f(value, spec: str = ".2f") -> str:
     return "–" if value is None else format(value, spec)
 
@@ -42,6 +49,12 @@ def speedup_estimate(rec: dict) -> tuple[float | None, str, str]:
     """(speedup, its min–max, how it was estimated) of one record."""
     if rec["method"] == "none" or rec.get("method_kind") == "baseline":
         return 1.0, "", "reference"
+    if "passes" in rec:  # the one estimator: every cell's median over its passes
+        n = rec["passes"]
+        how = (f"{'paired' if rec.get('paired_speedup_repeats') else 'unpaired'}, "
+               f"median of {n} pass{'es' if n != 1 else ''}"
+               + (", fresh engine per pass" if rec.get("fresh_engine_per_pass") else ""))
+        return rec["speedup"], _spread(rec, "speedup"), how
     ratios = rec.get("paired_speedup_repeats") or []
     walls = rec.get("wall_seconds_repeats") or []
     first = rec.get("speedup_from") == "first repeat"
@@ -55,6 +68,25 @@ def speedup_estimate(rec: dict) -> tuple[float | None, str, str]:
         how = "unpaired, 1 repeat" + (" (remembers outputs)" if first else "")
     spread = f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else ""
     return rec["speedup"], spread, how
+
+
+def _spread(rec: dict, name: str) -> str:
+    lo, hi = rec.get(f"{name}_min"), rec.get(f"{name}_max")
+    return "" if lo is None or hi is None or rec.get("passes", 1) < 2 else f"{lo:.2f}–{hi:.2f}"
+
+
+NOT_MEASURED = "—"
+"""A figure the file's format does not have (speculation and kernel speedups
+before ``schema_version`` 2)."""
+
+
+def speculation_cells(rec: dict) -> tuple[str, str, str]:
+    """(speculation speedup, its min–max, kernel speedup) of one record."""
+    if "speculation_speedup" not in rec:
+        return NOT_MEASURED, "", NOT_MEASURED
+    spec = rec["speculation_speedup"]
+    return (_f(spec) + ("x" if spec is not None else ""), _spread(rec, "speculation_speedup"),
+            _f(rec.get("kernel_speedup")) + ("x" if rec.get("kernel_speedup") else ""))
 
 
 def _identical(rec: dict) -> str:
@@ -149,20 +181,23 @@ def _pairing(run: dict) -> str:
 
 
 def run_table(doc: dict, batch: int) -> list[str]:
-    lines = ["| method | suite | tau | speedup | min–max | estimator | drafted | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | suite | tau | speculation speedup | min–max | speedup | min–max "
+             "| kernel | drafted | identical | estimator |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     recs = [r for r in doc["records"] if r["batch_size"] == batch]
     methods = [m for m in dict.fromkeys(r["method"] for r in recs) if m != "none"]
     for m in methods:
         for r in (x for x in recs if x["method"] == m):
             if not _ok(r):
-                lines.append(f"| {m} | {r['suite']} | {r['status']} | | | "
-                             f"{(r.get('reason') or '')[:80]} | | |")
+                lines.append(f"| {m} | {r['suite']} | {r['status']} | | | | | | | | "
+                             f"{(r.get('reason') or '')[:80]} |")
                 continue
             speed, spread, how = speedup_estimate(r)
+            spec, spec_spread, kernel = speculation_cells(r)
             rate = record_draft_rate(r)
-            lines.append(f"| {m} | {r['suite']} | {_f(record_tau(r))} | {_f(speed)}x | "
-                         f"{spread} | {how} | {_f(rate, '.0%')} | {_identical(r)} |")
+            lines.append(f"| {m} | {r['suite']} | {_f(record_tau(r))} | {spec} | {spec_spread} "
+                         f"| {_f(speed)}x | {spread} | {kernel} | {_f(rate, '.0%')} | "
+                         f"{_identical(r)} | {how} |")
     return lines + [""]
 
 
@@ -171,7 +206,7 @@ def run_section(run: C.Run, level: str = "##") -> list[str]:
     out = [f"{level} {run.title}", "", run.about, ""] + run_header(doc, run.file)
     for b in doc["run"]["batch_sizes"]:
         out += [f"Batch {b}:", ""] + run_table(doc, b)
-    for name, about in run.reruns:
+    for name, about in reruns(run, doc):
         sub = C.load(name)
         out += [f"Re-run: {about}", ""] + run_header(sub, name)
         for b in sub["run"]["batch_sizes"]:
@@ -280,21 +315,28 @@ def results_md() -> str:
            "How to read the tables:", "",
            "- **tau**: tokens per target pass, generated / (generated − accepted), pooled "
            "over a suite. It depends only on what a method drafts, not on the machine.",
+           "- **speculation speedup**: tokens/s over `plain`, the plugin's engine drafting "
+           "nothing, in the same run (vLLM's own methods run stock: over `none`): what "
+           "speculation earns. — where a file predates the figure.",
            f"- **speedup**: tokens/s over plain decoding's. {SPEEDUP_NOTE}",
-           "- **min–max** and **estimator**: a paired speedup is the median of the ratios of "
-           "calls timed in turn with a plain-decoding engine; a method that remembers "
-           "earlier outputs is timed once per suite (a repeat would replay its memory).",
+           "- **kernel**: `plain` over `none`, what the plugin's CPU linear kernel earns "
+           "without speculation (specplug rows).",
+           "- **min–max** and **estimator**: each figure is the median over the cell's timed "
+           "passes (paired: of the ratios of calls timed in turn with a plain-decoding "
+           "engine), min–max beside it; a method that remembers earlier outputs gets a fresh "
+           "engine per pass (older files timed it once per suite).",
            "- **drafted**: drafts per target pass, the share of steps in which the method "
            "proposed anything.",
            "- **identical**: every output token-identical to plain decoding's.",
            "- Plain decoding (`none`) is the reference of every table: tau 1.00, speedup 1.00x.",
            ""]
     out += ["## Contents", ""] + [
-        f"- {r.title}" for r in (*C.ALL_METHODS.values(), *C.METHOD_RUNS)] + [
+        f"- {r.title}" for r in (*headline_runs(), *C.METHOD_RUNS)] + [
         "- Cost of one verification step", "- Soak runs", "- Tenant isolation and acceptance",
         "- Study outputs", ""]
-    for run in C.ALL_METHODS.values():
-        out += run_section(run)
+    for parts in C.ALL_METHODS.values():
+        for run in parts:
+            out += run_section(run)
     for run in C.METHOD_RUNS:
         out += run_section(run)
     out += verify_cost_section() + soak_section() + isolation_section()
@@ -305,16 +347,37 @@ def results_md() -> str:
 
 
 # ------------------------------------------------------------- blocks
+def headline_runs() -> list[C.Run]:
+    return [run for parts in C.ALL_METHODS.values() for run in parts]
+
+
+def reruns(run: C.Run, doc: dict) -> tuple[tuple[str, str], ...]:
+    """``run``'s re-runs of single cells: only files of the first format
+    have them; a later run is reported whole, never patched cell by cell."""
+    if run.reruns and doc.get("schema_version", 1) >= 2:
+        raise ValueError(f"{run.file}: re-runs of single cells are not part of the "
+                         "protocol (docs/benchmarks.md); re-run the whole run instead")
+    return run.reruns
+
+
 def best_cells(batch: int) -> dict[tuple[str, str], tuple[dict, bool]]:
-    """(method, suite) -> (record, re-measured) of the all-methods run at
-    ``batch``, a re-run's record replacing the run's for the cells it has."""
-    run = C.ALL_METHODS[batch]
-    cells = {(r["method"], r["suite"]): (r, False)
-             for r in C.load(run.file)["records"] if r["batch_size"] == batch}
-    for name, _ in run.reruns:
-        for r in C.load(name)["records"]:
-            if r["method"] != "none" and r["batch_size"] == batch and _ok(r):
-                cells[(r["method"], r["suite"])] = (r, True)
+    """(method, suite) -> (record, re-measured) of the all-methods runs at
+    ``batch`` (one run, or whole runs over disjoint suites); a first-format
+    re-run's record replaces the run's for the cells it has."""
+    cells: dict[tuple[str, str], tuple[dict, bool]] = {}
+    for run in C.ALL_METHODS[batch]:
+        doc = C.load(run.file)
+        mine = {(r["method"], r["suite"]): (r, False)
+                for r in doc["records"] if r["batch_size"] == batch}
+        shared = {s for _, s in mine} & {s for _, s in cells}
+        if shared:
+            raise ValueError(f"{run.file}: suites {sorted(shared)} are in another part of "
+                             f"the batch-{batch} runs; parts must measure disjoint suites")
+        for name, _ in reruns(run, doc):
+            for r in C.load(name)["records"]:
+                if r["method"] != "none" and r["batch_size"] == batch and _ok(r):
+                    mine[(r["method"], r["suite"])] = (r, True)
+        cells.update(mine)
     return cells
 
 
@@ -325,26 +388,45 @@ def _range(values: list[float], spec: str = ".2f", unit: str = "") -> str:
     return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
 
 
+def has_speculation(cells: dict) -> bool:
+    """Whether the headline runs have speculation speedups (``plain`` ran)."""
+    return any(r.get("speculation_speedup") is not None
+               for by_cell in cells.values() for r, _ in by_cell.values())
+
+
+def _block_head(first: str, batches: list[int], spec: bool) -> list[str]:
+    names = [f"tau, batch {b}" + (f" | speculation speedup, batch {b}" if spec else "")
+             + f" | speedup, batch {b}" for b in batches]
+    return [f"| {first} | " + " | ".join(names) + " |",
+            "|---" * (1 + (3 if spec else 2) * len(batches)) + "|"]
+
+
 def summary_block(link: str) -> str:
     batches = sorted(C.ALL_METHODS)
     cells = {b: best_cells(b) for b in batches}
     methods = list(dict.fromkeys(m for b in batches for m, _ in cells[b] if m != "none"))
     n_suites = len({s for _, s in cells[batches[0]]})
-    lines = ["| method | " + " | ".join(f"tau, batch {b} | speedup, batch {b}" for b in batches)
-             + " |", "|---" * (1 + 2 * len(batches)) + "|"]
+    spec = has_speculation(cells)
+    lines = _block_head("method", batches, spec)
     for m in methods:
         row, builtin = [], False
         for b in batches:
             recs = [r for (mm, _), (r, _) in cells[b].items() if mm == m and _ok(r)]
             builtin |= any(r["method_kind"] == "vllm" for r in recs)
-            row += [_range([record_tau(r) for r in recs if record_tau(r) is not None]),
-                    _range([r["speedup"] for r in recs if r["speedup"] is not None], unit="x")]
+            row.append(_range([record_tau(r) for r in recs if record_tau(r) is not None]))
+            if spec:
+                row.append(_range([r["speculation_speedup"] for r in recs
+                                   if r.get("speculation_speedup") is not None], unit="x"))
+            row.append(_range([r["speedup"] for r in recs if r["speedup"] is not None],
+                              unit="x"))
         name = f"{m} (vLLM built-in)" if builtin else m
         lines.append(f"| {name} | " + " | ".join(row) + " |")
-    machine = _machine(C.load(C.ALL_METHODS[batches[0]].file)["run"].get("machine"))
+    machine = _machine(C.load(C.ALL_METHODS[batches[0]][0].file)["run"].get("machine"))
+    how = ("each cell the median of its passes" if spec
+           else "a cell re-measured with repeats counts with its re-run")
     lines += ["", f"Lowest–highest over {n_suites} suites (Spec-Bench's categories and "
-              f"HumanEval; a cell re-measured with repeats counts with its re-run), "
-              f"{machine}; tau is tokens per target pass. {SPEEDUP_NOTE} "
+              f"HumanEval; {how}), {machine}; tau is tokens per target pass. "
+              f"{SPECULATION_NOTE if spec else SPEEDUP_NOTE} "
               f"Every figure, with how it was measured: [RESULTS.md]({link})."]
     return "\n".join(lines)
 
@@ -355,20 +437,24 @@ def method_block(method: str, link: str) -> str:
     suites = list(dict.fromkeys(s for b in batches for _, s in cells[b]))
     if not any((method, s) in cells[b] for b in batches for s in suites):
         return f"`{method}` is not in the all-methods runs; see [RESULTS.md]({link})."
-    lines = ["| suite | " + " | ".join(f"tau, batch {b} | speedup, batch {b}" for b in batches)
-             + " |", "|---" * (1 + 2 * len(batches)) + "|"]
+    spec = has_speculation(cells)
+    lines = _block_head("suite", batches, spec)
     marked = False
     for s in suites:
         row = []
         for b in batches:
             rec, again = cells[b].get((method, s), (None, False))
             if not _ok(rec):
-                row += ["–", "–"]
+                row += ["–"] * (3 if spec else 2)
                 continue
             marked |= again
-            row += [_f(record_tau(rec)), _f(rec["speedup"]) + "x" + (" *" if again else "")]
+            row.append(_f(record_tau(rec)))
+            if spec:
+                row.append(speculation_cells(rec)[0])
+            row.append(_f(rec["speedup"]) + "x" + (" *" if again else ""))
         lines.append(f"| {s} | " + " | ".join(row) + " |")
-    lines += ["", (f"* re-measured with more repeats. " if marked else "") + SPEEDUP_NOTE
+    lines += ["", (f"* re-measured with more repeats. " if marked else "")
+              + (SPECULATION_NOTE if spec else SPEEDUP_NOTE)
               + f" Runs, machine and commands: [RESULTS.md]({link})."]
     return "\n".join(lines)
 

@@ -10,7 +10,11 @@ process (``benchmarks.worker``): vLLM 0.32's ``ngram`` cannot start after
 another engine in one process on CPU, and peak memory is then per
 configuration. ``none`` (plain decoding) is always run (first, per batch
 size): speedups, losslessness and the self-repetition ceiling are relative to
-it.
+it. A run with any specplug method also runs ``plain`` (the plugin's engine
+drafting nothing, with its CPU linear kernel): each specplug record carries
+``speedup`` (against ``none``), ``speculation_speedup`` (against ``plain``'s
+same passes) and ``kernel_speedup`` (``plain`` against ``none``); vLLM's own
+methods run stock, so their ``speculation_speedup`` is their ``speedup``.
 
 Methods: ``none``, any registered specplug method (``specplug methods``), or
 any vLLM method name. Options per method with ``--method-options`` (JSON or
@@ -29,14 +33,16 @@ Batching: with batch size B the engine is built with ``max_num_seqs=B`` and
 all of a suite's prompts are submitted in one ``generate`` call, so vLLM's
 continuous batching keeps at most B requests running at a time. Timing: wall
 time of that one ``generate`` call per suite, after a short warm-up
-generation; tokens/s = generated tokens / that wall time. With
-``--repeats R`` the same ``generate`` is timed R times in the same engine
-and the median counts (outputs, tau and counters are the first run's; a
-method that learns online -- the budget's estimates -- is warmer in the
-repeats than in the first). A method that drafts from earlier requests'
-outputs (a global suffix tree, an adjacency table: ``remembers_outputs``)
-would draft a repeat from its memory of the first run's answers, a speedup
-no user would see: for it only the first run counts (``speedup_from``).
+generation; tokens/s = generated tokens / that wall time. Every cell is
+timed ``--repeats R`` times (default 3), R passes: the speedup is the
+median of the per-pass ratios, with min and max (outputs, tau and counters
+are the first pass's; a method that learns online -- the budget's
+estimates -- is warmer in later passes). Passes of one engine run in it one
+after another (vLLM's prefix cache emptied between). A method that drafts
+from earlier requests' outputs (a global suffix tree, an adjacency table:
+``remembers_outputs``) would draft a later pass from its memory of the
+first's answers, a speedup no user would see: it gets a fresh engine (its
+own worker) per pass, so every pass is a first.
 
 Paired timing (``--paired``): the machine's speed drifts by 10-15 % between
 minutes on a shared host, more than the 3 % a method's overhead is judged
@@ -52,9 +58,10 @@ is its calls' sum. ``none`` still runs alone first (its outputs are the
 reference). About twice as long; ``--pair-group K`` lets up to K methods
 share one plain-decoding engine, all up at once and each stopped while
 another is timed: one baseline run per K methods instead of per method
-(K + 1 engines' memory at once). A method that remembers earlier outputs
-is timed once per suite whatever ``--repeats`` (its repeats would not
-count), and sits out the others' repeated calls.
+(K + 1 engines' memory at once). Passes interleave: every engine of a
+group times its pass r of a suite before any times pass r + 1, and a
+fresh-engine pass k of a method that remembers outputs is timed beside
+the baseline's pass k.
 
 Decoding is greedy (temperature 0), ``seed=0``, EOS honoured unless
 ``--ignore-eos`` (``--quick`` turns it on). Every output is compared token by
@@ -98,7 +105,10 @@ from vllm_specplug.corpus import chat_ids
 from vllm_specplug.datastore import prompt_list
 from benchmarks.machine import describe as describe_machine, git_info, machine_info
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+DEFAULT_REPEATS = 3
+PLAIN = "plain"
+"""The plugin's engine drafting nothing: the baseline of ``speculation_speedup``."""
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_METHODS = "none,ngram,suffix,eagle3,pld,recycle,adapld,dresd,suffix_tree"
 DEFAULT_SUITES = "specbench,humaneval,mtbench,gsm8k"
@@ -147,13 +157,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default bfloat16 (quick: float32)")
     ap.add_argument("--limit", type=int, default=None,
                     help="prompts per suite (default: all; quick: 2)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="time each suite's generate this many times in the same engine "
-                         "and report the median wall time (outputs and counters are the "
-                         "first run's; for a method that drafts from earlier outputs, "
-                         "e.g. suffix, only the first run counts); a short suite's one "
-                         "generate is a few seconds, and single timings vary by 10-20%% "
-                         "between runs on a shared machine (default 1)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed passes of every cell: each suite's generate is timed this "
+                         "many times and the median ratio is the speedup, reported with "
+                         "its min and max (outputs and counters are the first pass's). A "
+                         "method that drafts from earlier outputs (e.g. suffix) gets a "
+                         "fresh engine per pass, so every pass is a first (default 3; "
+                         "quick: 1)")
     ap.add_argument("--paired", action="store_true",
                     help="time each method in turn with a plain-decoding engine kept up "
                          "beside it, call by call (see --pair-chunk); its speedup is "
@@ -182,8 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--strict", action="store_true",
                     help="any output mismatch fails the run, whatever the dtype")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: tiny model, none,pld, 2 prompts/suite, 32 tokens, "
-                         "batch 1,2, float32 (each default overridable)")
+                    help="smoke run: tiny model, none,pld (and plain, added beside a "
+                         "specplug method), 2 prompts/suite, 32 tokens, batch 1,2, float32, "
+                         "one pass (each default overridable)")
     ap.add_argument("--out", default="results.json", help="JSON output (default results.json)")
     ap.add_argument("--plot", default=None, help="PNG output (default: --out with .png)")
     ap.add_argument("--no-plot", action="store_true")
@@ -209,6 +220,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.max_model_len is None and q:
         args.max_model_len = QUICK["max_model_len"]
     args.ignore_eos = args.ignore_eos or q
+    if args.repeats is None:
+        args.repeats = 1 if q else DEFAULT_REPEATS
+    if args.repeats < 1:
+        ap.error("--repeats: a number of passes >= 1")
     try:
         args.batch_sizes = sorted({int(b) for b in args.batch.split(",") if b.strip()})
     except ValueError:
@@ -230,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             isinstance(v, dict) for v in args.options.values()):
         ap.error('--method-options: expected {"method": {"option": value, ...}, ...}')
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    args.method_names = ["none"] + [m for m in dict.fromkeys(names) if m != "none"]
+    args.method_names, args.added_plain = with_baselines(names)
     args.added_none = "none" not in names
     args.suite_names = list(dict.fromkeys(s.strip() for s in args.suites.split(",") if s.strip()))
     return args
@@ -249,6 +264,17 @@ def base_method(name: str) -> str:
     """``pld@tree`` -> ``pld``: a label after ``@`` runs one method twice with
     different ``--method-options`` (keyed by the full name)."""
     return name.split("@", 1)[0]
+
+
+def with_baselines(names: list[str]) -> tuple[list[str], bool]:
+    """``names`` in run order: ``none`` first, then ``plain`` (added when a
+    specplug method runs without it: its speculation is measured against
+    it), then the rest. Returns (names, whether ``plain`` was added)."""
+    names = list(dict.fromkeys(names))
+    add = PLAIN not in names and any(
+        method_kind(n) == "specplug" for n in names if base_method(n) != PLAIN)
+    rest = [m for m in names if m not in ("none", PLAIN)]
+    return ["none"] + ([PLAIN] if add or PLAIN in names else []) + rest, add
 
 
 def method_kind(name: str) -> str:
@@ -536,21 +562,22 @@ def _hold(proc, stop: bool) -> None:
         pass  # already gone: its result (or its error) says why
 
 
-def group_turns(suites, chunk: int | None, repeats: list[int]) -> list[list[int]]:
+def group_turns(suites, chunk: int | None, passes: list[list[int]]) -> list[list[int]]:
     """The timed calls of engines run in turn (``--paired``), in the order
-    the workers make them (suite by suite; a suite's repeats; a repeat's
+    the workers make them (suite by suite; a suite's passes; a pass's
     chunks): for each, the workers that time it, in the order they go.
-    Worker 0 is plain decoding; worker ``w`` times each suite
-    ``repeats[w]`` times (1 for a method that remembers earlier outputs:
-    its repeats would not count), so it sits out its suites' later
-    repeats. Who goes first alternates, forward on even calls and backward
-    on odd ones (ABBA for two engines), so an order effect falls alike on
-    all sides."""
+    Worker 0 is plain decoding; worker ``w`` times the passes
+    ``passes[w]`` of each suite (one, pass k, for a fresh-engine pass of a
+    method that remembers earlier outputs), so every engine's pass r comes
+    before any engine's pass r + 1. Who goes first alternates, forward on
+    even calls and backward on odd ones (ABBA for two engines), so an
+    order effect falls alike on all sides."""
     turns: list[list[int]] = []
+    last = max(max(p, default=0) for p in passes)
     for s in suites:
         calls = len(chunk_starts(len(s.prompts), chunk))
-        for r in range(max(repeats)):
-            who = [w for w, n in enumerate(repeats) if r < n]
+        for r in range(last + 1):
+            who = [w for w, p in enumerate(passes) if r in p]
             for _ in range(calls):
                 turns.append(who if len(turns) % 2 == 0 else who[::-1])
     return turns
@@ -645,45 +672,17 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         "mismatches": [],
         "self_repetition": ceiling["self_repetition"] if ceiling else None,
         "self_repetition_with_prompt": ceiling["self_repetition_with_prompt"] if ceiling else None,
-        "specplug_stats": None,
+        "specplug_stats": None, "cpu_linear": result.get("cpu_linear"), "passes": 0,
+        **dict.fromkeys(ESTIMATE_FIELDS),
     }
     if entry is None:
         rec["status"] = result["status"] if result["status"] != "ok" else "error"
         rec["reason"] = result.get("reason") or "the worker returned no result for this suite"
         return rec
-    wall, toks = entry["wall_seconds"], entry["generated_tokens"]
-    rec["wall_seconds_repeats"] = entry.get("wall_seconds_repeats")
-    # a method that remembers earlier outputs drafts a repeat from its memory
-    # of the first run's answers: only the first run counts for it
-    remembers = remembers_outputs(method["name"])
-    first_only = bool(rec["wall_seconds_repeats"]) and remembers
-    if first_only:  # older files timed its repeats too: the first counts
-        wall = rec["wall_seconds_repeats"][0]
-    paired = entry.get("paired_baseline")
-    # its worker times it once (worker_repeats): against the first of the
-    # baseline's calls when paired, else against the baseline's median
-    base_walls = ((paired or {}).get("wall_seconds_repeats")
-                  or (base_entry or {}).get("wall_seconds_repeats") or [])
-    timed_once = remembers and not rec["wall_seconds_repeats"] and len(base_walls) > 1
-    rec["speedup_from"] = "first repeat" if first_only or timed_once else None
-    rec.update(generated_tokens=toks, wall_seconds=wall,
-               tokens_per_s=toks / wall if wall > 0 else None, tau=report.tau(toks, 0))
-    if base_entry is not None and rec["tokens_per_s"] and base_entry["wall_seconds"] > 0:
-        base_tps = base_entry["generated_tokens"] / base_entry["wall_seconds"]
-        rec["speedup"] = rec["tokens_per_s"] / base_tps if base_tps else None
-    if paired and toks:
-        # --paired: against the baseline timed in turn with this method, call
-        # by call (the median of those ratios), not against the baseline's
-        # own engine run minutes earlier
-        mine = entry.get("wall_seconds_repeats") or [wall]
-        ratios = [(toks / w) / (paired["generated_tokens"] / b)
-                  for w, b in zip(mine, paired["wall_seconds_repeats"]) if w > 0 and b > 0]
-        ratios = sorted(ratios[:1] if first_only else ratios)
-        if ratios:
-            rec["speedup_unpaired"] = rec["speedup"]
-            rec["speedup"] = statistics.median(ratios)
-            rec["paired_speedup_repeats"] = ratios
-            rec["paired_baseline_wall_seconds"] = paired["wall_seconds_repeats"]
+    toks = rec["generated_tokens"] = entry["generated_tokens"]
+    rec.update(timing(entry, base_entry, toks))
+    rec["fresh_engine_per_pass"] = bool(result.get("fresh_engine_per_pass"))
+    wall = rec["wall_seconds"]
     if method["kind"] != "baseline":
         c = entry["counters"]
         d = c["drafts"]
@@ -701,13 +700,102 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         rec["proposer_time_share"] = secs / wall if wall > 0 else None
         rec["specplug_stats"] = stats
     outputs = entry["outputs"]
+    every_pass = entry.get("outputs_per_pass") or [outputs]
     if corrupt_method == method["name"]:
         outputs = corrupt(outputs)  # TEST-ONLY hook
+        every_pass = [outputs] + every_pass[1:]
     if base_entry is not None:
-        rec.update(compare(base_entry["outputs"], outputs))
+        checks = [compare(base_entry["outputs"], o) for o in every_pass]
+        rec.update(next((c for c in checks if not c["identical"]), checks[0]))
     if save_outputs:
         rec["outputs"] = outputs
     return rec
+
+
+ESTIMATE_FIELDS = ("speedup_min", "speedup_max", "speedup_repeats", "speculation_speedup",
+                   "speculation_speedup_min", "speculation_speedup_max", "kernel_speedup",
+                   "kernel_speedup_min", "kernel_speedup_max")
+"""Every record has these (null where they do not apply): ``speedup`` is
+against stock plain decoding, ``speculation_speedup`` against the plugin's
+engine drafting nothing (``plain``; for vLLM's own methods, which run
+stock, their speedup), ``kernel_speedup`` is ``plain``'s speedup (what
+the plugin's CPU linear kernel earns without speculation)."""
+
+
+def pass_ratios(toks: int, walls: list[float], base_toks: int,
+                base_walls: list[float]) -> list[float]:
+    """Tokens/s of each timed pass over the baseline's pass of the same
+    index (its median where it has no such pass)."""
+    if not toks or not base_toks or not base_walls:
+        return []
+    middle = statistics.median(base_walls)
+    out = []
+    for r, wall in enumerate(walls):
+        base = base_walls[r] if r < len(base_walls) else middle
+        if wall > 0 and base > 0:
+            out.append((toks / wall) / (base_toks / base))
+    return out
+
+
+def timing(entry: dict, base_entry: dict | None, toks: int) -> dict:
+    """A record's wall time (median of its passes), tokens/s and speedup
+    (median of the per-pass ratios, with min and max): against the
+    baseline's calls timed in turn with it when paired, else against the
+    baseline engine's own passes."""
+    walls = entry.get("wall_seconds_repeats") or [entry["wall_seconds"]]
+    wall = statistics.median(walls)
+    out = {"wall_seconds": wall, "wall_seconds_repeats": walls if len(walls) > 1 else None,
+           "passes": len(walls), "tokens_per_s": toks / wall if wall > 0 else None,
+           "tau": report.tau(toks, 0)}
+    if base_entry is None:
+        return out
+    base_walls = base_entry.get("wall_seconds_repeats") or [base_entry["wall_seconds"]]
+    ratios = pass_ratios(toks, walls, base_entry["generated_tokens"], base_walls)
+    paired = entry.get("paired_baseline")
+    if paired:
+        out["speedup_unpaired"] = statistics.median(ratios) if ratios else None
+        out["paired_baseline_wall_seconds"] = paired["wall_seconds_repeats"]
+        ratios = pass_ratios(toks, walls, paired["generated_tokens"],
+                             paired["wall_seconds_repeats"])
+        out["paired_speedup_repeats"] = ratios
+    out.update(spread("speedup", ratios))
+    return out
+
+
+def spread(name: str, values: list[float]) -> dict:
+    """``name`` (the median of ``values``), ``name_min``, ``name_max``,
+    ``name_repeats`` where ``name`` is speedup (all null without values)."""
+    out = {name: statistics.median(values) if values else None,
+           f"{name}_min": min(values) if values else None,
+           f"{name}_max": max(values) if values else None}
+    if name == "speedup":
+        out["speedup_repeats"] = values or None
+    return out
+
+
+def annotate_speedups(records: list[dict]) -> None:
+    """Set every record's speculation and kernel speedups (``ESTIMATE_FIELDS``)
+    from the records of the same run: a specplug method's passes over
+    ``plain``'s same passes on the same suite and batch size."""
+    plain = {(r["suite"], r["batch_size"]): r for r in records
+             if r["method"] == PLAIN and r["status"] == "ok" and r.get("speedup_repeats")}
+    for rec in records:
+        for key in ESTIMATE_FIELDS:
+            rec.setdefault(key, None)
+        mine = rec.get("speedup_repeats") or []
+        if rec["status"] != "ok" or not mine or rec["method_kind"] == "baseline":
+            continue
+        if rec["method_kind"] == "vllm":  # stock vLLM: no kernel, all speculation
+            rec.update({k.replace("speedup", "speculation_speedup", 1): v
+                        for k, v in spread("speedup", mine).items() if k != "speedup_repeats"})
+            continue
+        ref = plain.get((rec["suite"], rec["batch_size"]))
+        if ref is None:
+            continue
+        ratios = [m / p for m, p in zip(mine, ref["speedup_repeats"]) if p > 0]
+        rec.update(spread("speculation_speedup", ratios))
+        rec.update({"kernel_speedup": ref["speedup"], "kernel_speedup_min": ref["speedup_min"],
+                    "kernel_speedup_max": ref["speedup_max"]})
 
 
 # ---------------------------------------------------------------- main
@@ -800,6 +888,9 @@ def plan_methods(args, model: str) -> list[dict]:
         _log(f"note: --method-options for methods not run: {', '.join(sorted(unknown))}")
     if args.added_none:
         _log("note: 'none' added (speedup and losslessness are measured against it)")
+    if args.added_plain:
+        _log(f"note: '{PLAIN}' added (the plugin's engine drafting nothing: "
+             "speculation_speedup is measured against it)")
     return methods
 
 
@@ -855,7 +946,11 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
             "git": git_info(),
             "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE",
                                                    "VLLM_CPU_OMP_THREADS_BIND",
-                                                   "OMP_NUM_THREADS")},
+                                                   "OMP_NUM_THREADS", CPU_LINEAR_ENV)},
+            "cpu_linear": cpu_linear_run(),
+            "fresh_engine_per_pass": sorted({m["name"] for m in methods
+                                             if args.repeats > 1 and not m["skip"]
+                                             and remembers_outputs(m["name"])}),
             "kv_cache_bytes": kv_bytes,
             "corrupt_hook": corrupt_method,
             "log_dir": str(log_dir),
@@ -863,6 +958,27 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
         "ceilings": [],
         "records": [],
     }
+
+
+CPU_LINEAR_ENV = "SPECPLUG_CPU_LINEAR"  # kernels/cpu_linear.ENV_SWITCH
+
+
+def cpu_linear_run() -> dict:
+    """The plugin's CPU linear kernel in this run: on unless
+    ``SPECPLUG_CPU_LINEAR=0``, and only in specplug engines (``plain`` and
+    every specplug method; stock vLLM's ``none``, ``ngram``, ``suffix``,
+    ``eagle3`` never). ``layers``/``shapes``: what a specplug engine routed
+    (filled in by ``note_cpu_linear``; each record has its engine's)."""
+    return {"env": os.environ.get(CPU_LINEAR_ENV),
+            "enabled": os.environ.get(CPU_LINEAR_ENV, "1") != "0",
+            "engines": "specplug", "layers": None, "shapes": None}
+
+
+def note_cpu_linear(doc: dict) -> None:
+    """The run's kernel layers: those of the first specplug engine that says."""
+    state = next((r["cpu_linear"] for r in doc["records"] if r.get("cpu_linear")), None)
+    if state is not None:
+        doc["run"]["cpu_linear"].update(layers=state.get("layers"), shapes=state.get("shapes"))
 
 
 def _log_event(ev: dict, who: str | None = None) -> None:
@@ -913,10 +1029,60 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
 
 
 def worker_repeats(m: dict, repeats: int) -> int:
-    """How many times ``m``'s worker times each suite: once for a method
-    that remembers earlier outputs (its repeats would not count, see
-    ``build_record``), ``repeats`` otherwise."""
-    return 1 if repeats > 1 and remembers_outputs(m["name"]) else repeats
+    """How many times ``m``'s worker times each suite: once for one pass of
+    a method that remembers earlier outputs (each of its passes is a fresh
+    engine, ``expand_passes``), ``repeats`` otherwise."""
+    return 1 if m.get("pass_index") is not None else repeats
+
+
+def timed_passes(m: dict, repeats: int) -> list[int]:
+    """Which of a run's passes ``m``'s worker times: its own one for a
+    fresh-engine pass, every pass otherwise."""
+    k = m.get("pass_index")
+    return list(range(repeats)) if k is None else [k]
+
+
+def expand_passes(methods: list[dict], repeats: int) -> list[dict]:
+    """The configurations to start per batch size: each method once, but a
+    method that remembers earlier outputs once per pass (``pass_index``),
+    each a fresh engine: timed again in the same engine it would draft
+    from its memory of the first pass's answers, a speedup no user sees."""
+    out = []
+    for m in methods:
+        if repeats > 1 and not m["skip"] and remembers_outputs(m["name"]):
+            out += [{**m, "pass_index": k, "passes": repeats} for k in range(repeats)]
+        else:
+            out.append(m)
+    return out
+
+
+def merge_passes(results: list[dict]) -> dict:
+    """One result from the fresh-engine passes of a method (pass k's
+    worker timed once per suite, beside the baseline's pass k when paired):
+    per suite, the passes' wall times in order, the first pass's outputs
+    and counters, every pass's outputs for the lossless check."""
+    bad = next(((k, r) for k, r in enumerate(results) if r["status"] != "ok"), None)
+    merged = {**results[0], "fresh_engine_per_pass": True, "suites": [],
+              "peak_memory_mib": max((r.get("peak_memory_mib") or 0 for r in results),
+                                     default=None) or None}
+    if bad is not None:
+        merged.update(status=bad[1]["status"], reason=f"pass {bad[0] + 1}: {bad[1]['reason']}")
+    for first in results[0].get("suites", []):
+        entries = [next((e for e in r.get("suites", []) if e["name"] == first["name"]), None)
+                   for r in results]
+        if any(e is None for e in entries):
+            continue  # a pass without this suite: the record says so
+        entry = {**first, "wall_seconds_repeats": [e["wall_seconds"] for e in entries],
+                 "outputs_per_pass": [e["outputs"] for e in entries]}
+        entry["wall_seconds"] = statistics.median(entry["wall_seconds_repeats"])
+        bases = [e.get("paired_baseline") for e in entries]
+        if all(bases):
+            walls = [b["wall_seconds_repeats"] for b in bases]
+            entry["paired_baseline"] = {
+                "generated_tokens": bases[0]["generated_tokens"],
+                "wall_seconds_repeats": [w[min(k, len(w) - 1)] for k, w in enumerate(walls)]}
+        merged["suites"].append(entry)
+    return merged
 
 
 def run_one_group(tags: list[str], stems: list[str], ms: list[dict], base: dict, batch: int,
@@ -927,7 +1093,9 @@ def run_one_group(tags: list[str], stems: list[str], ms: list[dict], base: dict,
     suite entry of a method's result gets ``paired_baseline``, the
     baseline's wall times from that group."""
     load0 = _loadavg()
-    names = ", ".join(m["name"] for m in ms)
+    labels = [m["name"] + ("" if m.get("pass_index") is None else f" pass {m['pass_index'] + 1}")
+              for m in ms]
+    names = ", ".join(labels)
     _log(f"{tags[0] if len(ms) == 1 else names + f' batch={batch}'}: starting, paired with "
          f"plain decoding ({sum(len(s.prompts) for s in suites)} prompts each)")
     t0 = time.perf_counter()
@@ -938,10 +1106,10 @@ def run_one_group(tags: list[str], stems: list[str], ms: list[dict], base: dict,
              "engine_options": x["options"] if x["kind"] == "baseline" else {},
              "kind": x["kind"], "pair_chunk": chunk, "repeats": worker_repeats(x, repeats),
              "result_path": str(log_dir / f"{stem}.result.json")} for x, stem in members]
-    turns = group_turns(suites, chunk, [j["repeats"] for j in jobs])
+    turns = group_turns(suites, chunk, [timed_passes(x, repeats) for x, _ in members])
     quiet = len(ms) == 1  # one method: its lines as an unpaired run's
     on_events = [None] + [_log_event if quiet else
-                          (lambda ev, who=m["name"]: _log_event(ev, who)) for m in ms]
+                          (lambda ev, who=label: _log_event(ev, who)) for label in labels]
     pair, *results = run_group(jobs, [log_dir / f"{stem}.log" for _, stem in members],
                                None if timeout is None else timeout * len(ms),
                                on_events, turns)
@@ -973,11 +1141,16 @@ def plan_groups(configs: list[tuple[int, dict]], paired: bool, size: int) -> lis
     """Which configurations (indices into ``configs``, (batch, method) pairs
     in run order) start together: with ``--paired`` up to ``size``
     consecutive methods of one batch size share one plain-decoding engine
-    (``--pair-group``); ``none`` itself and skipped methods run alone."""
+    (``--pair-group``); ``none`` itself and skipped methods run alone. A
+    method's fresh-engine passes start a group of their own unless they
+    all fit in the current one (or do not fit in any), so that the
+    baseline's every pass is timed beside one of them."""
     groups: list[list[int]] = []
     for i, (batch, m) in enumerate(configs):
         last = groups[-1] if groups else None
-        if (last and len(last) < size and configs[last[0]][0] == batch
+        passes_fit = (m.get("pass_index") != 0 or m["passes"] > size
+                      or (last is not None and len(last) + m["passes"] <= size))
+        if (last and len(last) < size and configs[last[0]][0] == batch and passes_fit
                 and beside_baseline(m, paired) and beside_baseline(configs[last[0]][1], paired)):
             last.append(i)
         else:
@@ -1142,13 +1315,15 @@ def main(argv: list[str] | None = None) -> int:
                 "suites": [{"name": s.name, "prompts": s.prompts} for s in suites]}
 
     results: dict[tuple[str, int], dict] = {}
-    configs = [(b, m) for b in args.batch_sizes for m in methods]
+    passes: dict[tuple[str, int], dict[int, dict]] = {}
+    configs = [(b, m) for b in args.batch_sizes for m in expand_passes(methods, args.repeats)]
     lossy: list[str] = []
     failed: list[str] = []
     base = next(x for x in methods if x["name"] == "none")
     for group in plan_groups(configs, args.paired, args.pair_group):
         tags = [f"[{i + 1}/{len(configs)}] {configs[i][1]['name']} ({configs[i][1]['kind']}) "
-                f"batch={configs[i][0]}" for i in group]
+                f"batch={configs[i][0]}" + _pass_tag(configs[i][1], args.repeats)
+                for i in group]
         stems = [f"{i + 1:02d}_{configs[i][1]['name']}_b{configs[i][0]}" for i in group]
         batch, m = configs[group[0]]
         if beside_baseline(m, args.paired):
@@ -1159,13 +1334,26 @@ def main(argv: list[str] | None = None) -> int:
                             args.timeout)]
         for i, res in zip(group, outs):
             batch, m = configs[i]
+            if m.get("pass_index") is not None:  # whole once every pass is in
+                done = passes.setdefault((m["name"], batch), {})
+                done[m["pass_index"]] = res
+                if len(done) < args.repeats:
+                    continue
+                res = merge_passes([done[k] for k in range(args.repeats)])
             results[(m["name"], batch)] = res
             if m["name"] == "none":
                 add_ceilings(doc, res, suites, batch, store)
             add_records(doc, m, batch, res, results.get(("none", batch), {}), suites, args,
                         corrupt_method, lossy, failed)
+        annotate_speedups(doc["records"])
+        note_cpu_linear(doc)
         _write(doc, args.out)
     return finish(doc, args, t_start, lossy, failed)
+
+
+def _pass_tag(m: dict, repeats: int) -> str:
+    k = m.get("pass_index")
+    return "" if k is None else f" pass {k + 1}/{repeats} (fresh engine)"
 
 
 def _write(doc: dict, path: str) -> None:

@@ -167,7 +167,7 @@ def _budget_delta(before: dict, after: dict) -> dict:
     return out
 
 
-_LEVELS = {"live_trees", "cpu_linear_layers"}
+_LEVELS = {"live_trees", "cpu_linear_layers", "cpu_linear_shapes"}
 """Numbers in ``specplug_stats()`` that are levels: kept as of the suite's end."""
 
 
@@ -208,6 +208,18 @@ def _num(s: str):
         return (0, int(s))
     except ValueError:
         return (1, s)
+
+
+def cpu_linear_state(kind: str, stats: dict | None) -> dict | None:
+    """Whether this engine runs the plugin's CPU linear kernel and on which
+    layers: only specplug engines route layers to it (``runner/cpu_gemm``),
+    unless ``SPECPLUG_CPU_LINEAR=0``; None for stock vLLM engines."""
+    if kind != "specplug":
+        return None
+    stats = stats or {}
+    return {"env": os.environ.get("SPECPLUG_CPU_LINEAR"),
+            "layers": stats.get("cpu_linear_layers"),
+            "shapes": stats.get("cpu_linear_shapes")}
 
 
 def _cannot_run_here(job: dict, exc: BaseException) -> bool:
@@ -290,6 +302,7 @@ def run(job: dict) -> dict:
             # engine's (engine/budget.BudgetController.reset_learning); the
             # first suite meets what a user's first requests meet
             llm.collective_rpc("specplug_reset_budget")
+        result["cpu_linear"] = cpu_linear_state(job["kind"], _specplug_stats(llm))
         _progress(fd, event="warmed")
         for suite in job["suites"]:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in suite["prompts"]]

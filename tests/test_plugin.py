@@ -52,8 +52,7 @@ def test_specplug_method_becomes_custom_class_with_own_worker(tiny_model):
     assert cfg.parallel_config.worker_cls.startswith("vllm_specplug.runner.")
     assert cfg.additional_config["specplug"] == {
         "method": "pld",
-        "options": {"cost_aware": True, "closed_batch_values": False,
-                    "max_request_faults": 3, "isolation": "salt",
+        "options": {"cost_aware": True, "max_request_faults": 3, "max_draft_ms": 50.0, "isolation": "salt",
                     "prompt_lookup_max": 3, "prompt_lookup_min": 1,
                     "tree_branches": 1, "branch_len": 4},
     }

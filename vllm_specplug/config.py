@@ -63,20 +63,10 @@ class MethodConfig(BaseModel):
 
     cost_aware: bool = True
     """Cut every step's trees to what pays: a controller shared by every
-    method (``engine/budget.py``) picks each request's tree size, zero
+    method (``engine/budget/``) picks each request's tree size, zero
     included, to maximise expected tokens per second from the step time it
     measures and the acceptance it observes. False pins the size: every tree
     the method drafts is verified, up to ``num_speculative_tokens`` nodes."""
-
-    closed_batch_values: bool = False
-    """With ``cost_aware``: weigh each request's accepted tokens by what they
-    save in a closed batch (nothing waiting for a slot: only the requests
-    with the most tokens left shorten the batch; ``engine/budget.py``).
-    Off by default: where answers end at an end-of-sequence token long
-    before ``max_tokens`` (translation, for one), the tokens left do not say
-    which request finishes last, and the weights cut drafts that pay -- at
-    batch 8 `pld` loses a large part of its speedup there -- while where
-    requests do run to ``max_tokens`` the gain is within the noise."""
 
     max_request_faults: int = Field(default=3, ge=0)
     """A request whose method hooks (``add_request``, ``propose``, ...)
@@ -85,6 +75,16 @@ class MethodConfig(BaseModel):
     (``runner/guard.py``; counted as ``requests_stopped_drafting``). A
     single fault only costs that request its draft for one step. 0 never
     stops a request."""
+
+    max_draft_ms: float = Field(default=50.0, ge=0.0)
+    """Time budget (milliseconds) of one step's request-by-request lookup
+    work: retrieval and search over each request's tokens or a datastore
+    (``adapld``, ``respec``, ``reader``). Once a step has spent it, the
+    requests not yet reached skip that work this step: they get the
+    method's batched model draft where it has one (``reader``, ``respec``),
+    else no draft, and decode plainly (output is unchanged). The requests
+    skipped go first next step; skips are counted as ``deadline_skips``.
+    0: no limit. Methods whose work is one batched pass ignore it."""
 
     isolation: Literal["salt", "strict", "off"] = "salt"
     """Whose state a request may draft from, for methods that keep state

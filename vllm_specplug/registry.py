@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 _METHODS: dict[str, str] = {
     "pld": "vllm_specplug.methods.pld:PLDProposer",
     "oracle": "vllm_specplug.methods.oracle:OracleProposer",
+    "plain": "vllm_specplug.methods.plain:PlainProposer",
     "recycle": "vllm_specplug.methods.recycle:RecycleProposer",
     "adapld": "vllm_specplug.methods.adapld:AdaPLDProposer",
     "dresd": "vllm_specplug.methods.dresd:DReSDProposer",

@@ -1,8 +1,9 @@
 """The benchmark harness (``python -m benchmarks.run``).
 
-Engine tests run ``--quick`` on the tiny model (one suite, batch 2, so two
-worker processes: ``none`` and ``pld``); the rest are unit tests of the
-harness' parts.
+Engine tests run ``--quick`` on the tiny model (one suite, batch 2, so
+three worker processes: ``none``, ``plain`` (added beside a specplug
+method) and ``pld``); the rest are unit tests of the harness' parts
+(the estimator's: ``test_estimator.py``).
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
     assert meta["corrupt_hook"] is None
     assert meta["enforce_eager"] is False  # the compiled model, as users run it
     assert meta["machine"]["cpu_flags"] and meta["machine"]["model_name"]
-    assert meta["repeats"] == 2
-    none, pld = _record(doc, "none"), _record(doc, "pld")
-    for r in (none, pld):  # two timed generates; the upper median counts
-        assert len(r["wall_seconds_repeats"]) == 2
-        assert r["wall_seconds"] == max(r["wall_seconds_repeats"])
-    for r in (none, pld):
+    assert meta["repeats"] == 2 and meta["fresh_engine_per_pass"] == []
+    none, plain, pld = _record(doc, "none"), _record(doc, "plain"), _record(doc, "pld")
+    for r in (none, plain, pld):  # two timed passes: their median, min and max
+        walls = r["wall_seconds_repeats"]
+        assert len(walls) == 2 and r["passes"] == 2
+        assert r["wall_seconds"] == pytest.approx((walls[0] + walls[1]) / 2)
+        assert r["speedup_min"] == min(r["speedup_repeats"])
+        assert r["speedup_max"] == max(r["speedup_repeats"])
+    for r in (none, plain, pld):
         assert r["status"] == "ok" and r["suite"] == "specbench" and r["batch_size"] == 2
         assert r["num_prompts"] == 2 and r["generated_tokens"] == 2 * 32  # ignore_eos
         assert r["tokens_per_s"] > 0 and r["peak_memory_mib"] > 0
@@ -75,6 +79,22 @@ def test_quick_run_float32_is_lossless_and_valid(tmp_path):
         assert r["self_repetition"] >= 1 and r["self_repetition_with_prompt"] >= 1
         assert r["engine_compile"] in ("compiled", "loaded")
     assert none["speedup"] == pytest.approx(1.0) and none["tau"] == 1.0
+    assert none["speculation_speedup"] is None and none["kernel_speedup"] is None
+    # plain: the plugin's engine drafting nothing, with the CPU linear kernel
+    assert plain["method_kind"] == "specplug" and plain["drafts"] == 0 and plain["tau"] == 1.0
+    assert plain["speculation_speedup"] == pytest.approx(1.0)
+    assert plain["kernel_speedup"] == plain["speedup"]
+    # pld against plain's same passes; the kernel's share is plain's speedup
+    per_pass = [a / b for a, b in zip(pld["speedup_repeats"], plain["speedup_repeats"])]
+    assert pld["speculation_speedup"] == pytest.approx(sum(per_pass) / 2)
+    assert pld["speculation_speedup_min"] == pytest.approx(min(per_pass))
+    assert pld["kernel_speedup"] == plain["speedup"]
+    assert none["cpu_linear"] is None
+    for r in (plain, pld):
+        assert r["cpu_linear"]["env"] is None and r["cpu_linear"]["layers"] >= 0
+        assert sum(r["cpu_linear"]["shapes"].values()) == r["cpu_linear"]["layers"]
+    assert meta["cpu_linear"]["enabled"] is True
+    assert meta["cpu_linear"]["layers"] == plain["cpu_linear"]["layers"]
     # tau from the record's own counters: 64 tokens over 64 - accepted passes
     assert pld["tau"] == pytest.approx(64 / (64 - pld["accepted_tokens"]))
     assert pld["draft_rate"] == pytest.approx(pld["drafts"] / (64 - pld["accepted_tokens"]))
@@ -120,10 +140,11 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
     mine = pld["wall_seconds_repeats"]
     assert len(base) == len(mine) == 2
     # same tokens (greedy, ignore_eos): each ratio is base wall / own wall
-    ratios = sorted(b / w for b, w in zip(base, mine))
+    ratios = [b / w for b, w in zip(base, mine)]
     assert pld["paired_speedup_repeats"] == pytest.approx(ratios)
     assert pld["speedup"] == pytest.approx((ratios[0] + ratios[1]) / 2)
-    assert pld["speedup_unpaired"] == pytest.approx(none["wall_seconds"] / pld["wall_seconds"])
+    unpaired = [b / w for b, w in zip(none["wall_seconds_repeats"], mine)]
+    assert pld["speedup_unpaired"] == pytest.approx((unpaired[0] + unpaired[1]) / 2)
     logs = tmp_path / "logs"
     spans = []
     for tag, path in (("base", next(logs.glob("*_pld_b2_base.result.json"))),
@@ -139,38 +160,32 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
 @pytest.mark.engine
 @pytest.mark.slow  # test_group_turns_and_plan_groups checks the turn order without engines
 @pytest.mark.timeout(900)
-def test_pair_group_times_several_methods_beside_one_baseline(tmp_path):
-    """``--pair-group 2``: `pld` and `suffix_tree` share one plain-decoding
-    engine, the three timed in turn, never at once. `suffix_tree` remembers
-    earlier outputs, so it is timed once per suite and sits out the second
-    repeat. Expected order worked out by hand: one suite of 2 prompts in
-    calls of 1 (--pair-chunk 1), 2 repeats; forward on even calls,
-    backward on odd ones."""
-    proc, doc = _bench(tmp_path, "--methods", "none,pld,suffix_tree",
-                       "--method-options",
-                       '{"pld": {"cost_aware": false}, "suffix_tree": {"cost_aware": false}}',
+def test_pair_group_times_fresh_engine_passes_beside_one_baseline(tmp_path):
+    """``--pair-group 2`` with 2 passes: `suffix_tree` remembers earlier
+    outputs, so each pass is a fresh engine; its two passes share one
+    plain-decoding engine (`plain`, added, has its own), pass 1 timed beside
+    the baseline's pass 1 and pass 2 beside its pass 2, never at once.
+    Expected order worked out by hand: one suite of 2 prompts in calls of 1
+    (--pair-chunk 1); forward on even calls, backward on odd ones."""
+    proc, doc = _bench(tmp_path, "--methods", "none,suffix_tree",
+                       "--method-options", '{"suffix_tree": {"cost_aware": false}}',
                        "--repeats", "2", "--paired", "--pair-chunk", "1", "--pair-group", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report.validate(doc) == []
-    assert doc["run"]["pair_group"] == 2
-    pld, st = _record(doc, "pld"), _record(doc, "suffix_tree")
-    assert pld["identical"] is True and st["identical"] is True
-    # one baseline for both: the same wall times in both records
-    assert pld["paired_baseline_wall_seconds"] == st["paired_baseline_wall_seconds"]
-    base = pld["paired_baseline_wall_seconds"]
-    assert len(base) == 2 and len(pld["wall_seconds_repeats"]) == 2
-    assert st["wall_seconds_repeats"] is None and st["speedup_from"] == "first repeat"
-    assert st["speedup"] == pytest.approx(base[0] / st["wall_seconds"])
+    assert doc["run"]["fresh_engine_per_pass"] == ["suffix_tree"]
+    st = _record(doc, "suffix_tree")
+    assert st["identical"] is True and st["fresh_engine_per_pass"] and st["passes"] == 2
+    base, mine = st["paired_baseline_wall_seconds"], st["wall_seconds_repeats"]
+    assert st["paired_speedup_repeats"] == pytest.approx([b / w for b, w in zip(base, mine)])
     logs = tmp_path / "logs"
-    assert len(list(logs.glob("*_base.result.json"))) == 1
     spans = []
-    for tag, pattern in (("base", "*_pld_b2_base.result.json"), ("pld", "*_pld_b2.result.json"),
-                         ("st", "*_suffix_tree_b2.result.json")):
+    for tag, pattern in (("base", "*_suffix_tree_b2_base.result.json"),
+                         ("p1", "03_suffix_tree_b2.result.json"),
+                         ("p2", "04_suffix_tree_b2.result.json")):
         spans += [(x[0], x[1], tag) for e in json.loads(next(logs.glob(pattern)).read_text())
                   ["suites"] for x in e["timed_spans"]]
     spans.sort()
-    assert [t for _, _, t in spans] == ["base", "pld", "st", "st", "pld", "base",
-                                        "base", "pld", "pld", "base"]
+    assert [t for _, _, t in spans] == ["base", "p1", "p1", "base", "base", "p2", "p2", "base"]
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never at once
 
 
@@ -180,16 +195,24 @@ def test_group_turns_and_plan_groups():
             self.prompts = [[1]] * n
 
     # two suites (3 prompts in calls of 2: 2 calls; 1 prompt: 1 call), 2
-    # repeats; worker 2 times once. Even calls forward, odd ones backward.
-    assert run.group_turns([S(3), S(1)], 2, [2, 2, 1]) == [
-        [0, 1, 2], [2, 1, 0],  # suite 1, repeat 1
-        [0, 1], [1, 0],        # suite 1, repeat 2
-        [0, 1, 2],             # suite 2, repeat 1
-        [1, 0]]                # suite 2, repeat 2
-    assert run.group_turns([S(2)], 0, [1, 1]) == [[0, 1]]  # 0: a whole suite per call
+    # passes; worker 2 is a fresh-engine pass timing pass 1 only, worker 3
+    # pass 2 only. Even calls forward, odd ones backward.
+    assert run.group_turns([S(3), S(1)], 2, [[0, 1], [0, 1], [0], [1]]) == [
+        [0, 1, 2], [2, 1, 0],  # suite 1, pass 1
+        [0, 1, 3], [3, 1, 0],  # suite 1, pass 2
+        [0, 1, 2],             # suite 2, pass 1
+        [3, 1, 0]]             # suite 2, pass 2
+    assert run.group_turns([S(2)], 0, [[0], [0]]) == [[0, 1]]  # 0: a whole suite per call
 
-    def m(name, skip=None):
-        return {"name": name, "skip": skip}
+    def m(name, skip=None, **more):
+        return {"name": name, "skip": skip, **more}
+
+    # a method's fresh-engine passes start a group when they do not all fit
+    clones = [m("s", pass_index=k, passes=3) for k in range(3)]
+    configs = [(1, x) for x in [m("none"), m("a"), *clones, m("b")]]
+    assert run.plan_groups(configs, True, 3) == [[0], [1], [2, 3, 4], [5]]
+    assert run.plan_groups(configs, True, 4) == [[0], [1, 2, 3, 4], [5]]
+    assert run.plan_groups(configs, True, 2) == [[0], [1, 2], [3, 4], [5]]  # cannot fit
 
     ms = [m("none"), m("a"), m("b"), m("c", skip="no head"), m("d"), m("e"), m("f")]
     configs = [(b, x) for b in (1, 8) for x in ms]
@@ -198,33 +221,6 @@ def test_group_turns_and_plan_groups():
         [0], [1, 2], [3], [4, 5], [6], [7], [8, 9], [10], [11, 12], [13]]
     assert run.plan_groups(configs, False, 2) == [[i] for i in range(14)]
     assert run.plan_groups(configs, True, 1) == [[i] for i in range(14)]
-
-
-def test_a_method_that_remembers_outputs_is_timed_once():
-    suffix = {"name": "suffix", "kind": "vllm", "options": {}}
-    pld = {"name": "pld", "kind": "specplug", "options": {}}
-    assert run.worker_repeats(suffix, 3) == 1 and run.worker_repeats(pld, 3) == 3
-    assert run.worker_repeats(suffix, 1) == 1
-    # timed once beside a baseline timed three times: against its first call
-    entry = {"wall_seconds": 2.0, "wall_seconds_repeats": None, "generated_tokens": 100,
-             "outputs": [[1, 2]], "specplug_stats": None,
-             "counters": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                          "accepted_tokens_per_pos": []},
-             "paired_baseline": {"wall_seconds_repeats": [3.0, 1.0, 1.0],
-                                 "generated_tokens": 100}}
-    base = {"wall_seconds": 1.0, "wall_seconds_repeats": [3.0, 1.0, 1.0],
-            "generated_tokens": 100, "outputs": [[1, 2]]}
-    rec = run.build_record(suffix, "s", 8, {}, entry, base, None, 1, None, False)
-    assert rec["speedup"] == 1.5 and rec["speedup_from"] == "first repeat"
-    assert rec["paired_speedup_repeats"] == [1.5] and rec["speedup_unpaired"] == 0.5
-    # unpaired: against the baseline's median, still its only run counted
-    del entry["paired_baseline"]
-    rec = run.build_record(suffix, "s", 8, {}, entry, base, None, 1, None, False)
-    assert rec["speedup"] == 0.5 and rec["speedup_from"] == "first repeat"
-    # a run without repeats says nothing
-    rec = run.build_record(suffix, "s", 8, {}, entry, {**base, "wall_seconds_repeats": None},
-                           None, 1, None, False)
-    assert rec["speedup_from"] is None
 
 
 def _stopped(pid: int, want: bool) -> bool:
@@ -326,15 +322,17 @@ def test_preflight_skips_what_cannot_run_here():
 
 def test_parse_args_defaults_and_options(tmp_path):
     a = run.parse_args(["--quick"])
-    assert a.method_names == ["none", "pld"] and a.batch_sizes == [1, 2]
+    assert a.method_names == ["none", "plain", "pld"] and a.batch_sizes == [1, 2]
     assert a.dtype == "float32" and a.limit == 2 and a.max_tokens == 32 and a.ignore_eos
+    assert a.repeats == 1 and a.added_plain
     a = run.parse_args([])
     assert a.dtype == "bfloat16" and a.batch_sizes == [1, 8] and a.max_tokens == 256
+    assert a.repeats == 3
     assert a.method_names[0] == "none" and "dresd" in a.method_names
     f = tmp_path / "opts.json"
     f.write_text('{"pld": {"tree_branches": 3}}')
     a = run.parse_args(["--methods", "pld", "--method-options", f"@{f}"])
-    assert a.method_names == ["none", "pld"] and a.added_none
+    assert a.method_names == ["none", "plain", "pld"] and a.added_none
     assert run.spec_config("pld", a) == {"method": "pld", "num_speculative_tokens": 8,
                                          "tree_branches": 3}
     assert run.spec_config("none", a) is None
@@ -394,8 +392,8 @@ def test_schema_accepts_skipped_records_and_table():
     rec = {k: None for k in report.load_schema()["$defs"]["record"]["required"]}
     rec.update(method="eagle3", method_kind="vllm", method_options={}, suite="gsm8k",
                batch_size=1, status="skipped", reason="needs a head", num_prompts=3,
-               mismatches=[])
-    doc = {"schema_version": 1, "ceilings": [], "records": [rec], "run": {
+               mismatches=[], passes=0)
+    doc = {"schema_version": 2, "ceilings": [], "records": [rec], "run": {
         "command": "x", "started_at": "2025-01-01T00:00:00+00:00", "finished_at": None,
         "total_seconds": None, "complete": False, "exit_code": None, "model": "m",
         "dtype": "bfloat16", "max_tokens": 8, "max_model_len": 64,
@@ -406,7 +404,8 @@ def test_schema_accepts_skipped_records_and_table():
             "python": "3"}, "versions": {"vllm": None, "torch": None,
                                           "transformers": None, "vllm_specplug": None},
         "git": None, "env": {}, "kv_cache_bytes": None, "corrupt_hook": None,
-        "log_dir": "/tmp"}}
+        "log_dir": "/tmp", "repeats": 3, "fresh_engine_per_pass": [],
+        "cpu_linear": run.cpu_linear_run()}}
     doc["run"]["methods"] = [{"name": "eagle3", "kind": "vllm", "options": {},
                               "speculative_config": {"method": "eagle3"},
                               "skipped_reason": "needs a head"}]
@@ -422,7 +421,7 @@ def test_labelled_variants_and_default_eagle3_head(ref_model, tiny_model):
     assert "tree_branches" in run.preflight("pld@tree", "specplug", {"tree_branches": 0})
     args = run.parse_args(["--methods", "pld,pld@tree",
                            "--method-options", '{"pld@tree": {"tree_branches": 3}}'])
-    assert args.method_names == ["none", "pld", "pld@tree"]
+    assert args.method_names == ["none", "plain", "pld", "pld@tree"]
     spec = run.spec_config("pld@tree", args)
     assert spec["method"] == "pld" and spec["tree_branches"] == 3
     assert "tree_branches" not in run.spec_config("pld", args)
@@ -444,33 +443,3 @@ def test_adjacency_cost_runs():
     out = adjacency_cost.main(["--vocab", "512", "--repeats", "5"])
     assert out["update_rows"] == 72 and out["update"]["median_ms"] > 0
     assert out["expand"]["p90_ms"] >= out["expand"]["median_ms"]
-
-
-def test_repeats_count_only_the_first_run_of_a_method_that_remembers_outputs():
-    # three timed calls of one suite beside plain decoding's three; the second
-    # and third twice as fast, as a method that drafts from its memory of the
-    # first run's answers would be
-    walls, base_walls = [2.0, 1.0, 1.0], [2.0, 2.0, 2.0]
-    entry = {"wall_seconds": 1.0, "wall_seconds_repeats": walls, "generated_tokens": 100,
-             "outputs": [[1, 2]], "specplug_stats": None,
-             "counters": {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                          "accepted_tokens_per_pos": []},
-             "paired_baseline": {"wall_seconds_repeats": base_walls, "generated_tokens": 100}}
-    base = {"wall_seconds": 2.0, "generated_tokens": 100, "outputs": [[1, 2]]}
-
-    def record(name):
-        method = {"name": name, "kind": run.method_kind(name), "options": {}}
-        return run.build_record(method, "s", 8, {}, entry, base, None, 1, None, False)
-
-    assert [run.remembers_outputs(m) for m in ("none", "ngram", "suffix", "eagle3")] == \
-        [False, False, True, False]
-    remembers = {m for m in ("pld", "suffix_tree", "recycle", "adapld", "dresd", "eagle3_tree",
-                             "graft", "respec", "reader") if run.remembers_outputs(m)}
-    assert remembers == {"suffix_tree", "recycle", "graft"}
-    pld, st, sfx = record("pld"), record("suffix_tree"), record("suffix")
-    # the median of the pairs' ratios (1, 2, 2) for a method without memory
-    assert pld["speedup"] == 2.0 and pld["speedup_from"] is None and pld["wall_seconds"] == 1.0
-    for rec in (st, sfx):  # the first pair only
-        assert rec["speedup"] == 1.0 and rec["speedup_from"] == "first repeat"
-        assert rec["wall_seconds"] == 2.0 and rec["tokens_per_s"] == 50.0
-        assert rec["paired_speedup_repeats"] == [1.0] and rec["speedup_unpaired"] == 1.0

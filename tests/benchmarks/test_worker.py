@@ -60,3 +60,17 @@ def test_levels_are_kept_not_subtracted():
     after = {"drafts": 9, "live_trees": 0, "cpu_linear_layers": 92}
     d = _stats_delta(before, after)
     assert d["drafts"] == 4 and d["live_trees"] == 0 and d["cpu_linear_layers"] == 92
+
+
+def test_cpu_linear_state_says_which_engines_run_the_kernel(monkeypatch):
+    from benchmarks.worker import cpu_linear_state
+
+    stats = {"cpu_linear_layers": 3, "cpu_linear_shapes": {"576x1536": 2, "1536x576": 1}}
+    monkeypatch.delenv("SPECPLUG_CPU_LINEAR", raising=False)
+    assert cpu_linear_state("specplug", stats) == {
+        "env": None, "layers": 3, "shapes": {"576x1536": 2, "1536x576": 1}}
+    monkeypatch.setenv("SPECPLUG_CPU_LINEAR", "0")
+    off = cpu_linear_state("specplug", {"cpu_linear_layers": 0, "cpu_linear_shapes": {}})
+    assert off == {"env": "0", "layers": 0, "shapes": {}}
+    # stock vLLM engines never run it
+    assert cpu_linear_state("baseline", stats) is None and cpu_linear_state("vllm", None) is None

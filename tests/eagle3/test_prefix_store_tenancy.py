@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.methods.budget import propose
-from tests.methods.test_eagle3_tree_unit import _ref_ctx
+from tests.helpers.contexts import ref_model_ctx
 
 from vllm_specplug.engine.interface import StepRequest
 from vllm_specplug.methods.eagle3_tree import Eagle3TreeConfig, Eagle3TreeProposer
@@ -28,7 +28,7 @@ def rows():
 
 @pytest.fixture
 def prop(ref_model):
-    return Eagle3TreeProposer(Eagle3TreeConfig(depth=2, topk=2), _ref_ctx(ref_model))
+    return Eagle3TreeProposer(Eagle3TreeConfig(depth=2, topk=2), ref_model_ctx(ref_model))
 
 
 def _step(prop, rid, tenant, tokens, aux, start=0):

@@ -1,7 +1,7 @@
 """The cost-aware budget controller, on hand-made trees, costs and truths.
 
 Expected values are worked out by hand or by brute force over every
-parent-closed subset, never by the controller's own code path.
+rooted subset (every kept node's parent kept), never by the controller's own code path.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import pytest
 from vllm_specplug.engine.budget import (
     AcceptanceModel,
     BudgetController,
+    FixedBudget,
     StepCost,
+    make_budget,
     shadow_outcomes,
     subtree,
 )
@@ -152,7 +154,7 @@ def test_a_dear_plain_knot_does_not_make_drafting_look_free():
     assert choice.sizes == [0] * 8
 
 
-def _closed_subsets(tree: DraftTree):
+def _rooted_subsets(tree: DraftTree):
     n = len(tree)
     for bits in itertools.product([False, True], repeat=n):
         if all(not b or p < 0 or bits[p] for b, p in zip(bits, tree.parents)):
@@ -192,8 +194,8 @@ def test_choice_is_the_brute_force_optimum(slope):
 
     probs = [_path_probs(t, cond) for t in trees]
     best = 2 / cost(2)
-    for ka in _closed_subsets(TREE):
-        for kb in _closed_subsets(other):
+    for ka in _rooted_subsets(TREE):
+        for kb in _rooted_subsets(other):
             n = int(ka.sum() + kb.sum())
             rate = (2 + probs[0][ka].sum() + probs[1][kb].sum()) / cost(2 + n)
             best = max(best, rate)
@@ -552,35 +554,25 @@ def _linear_cost(base_ms: float, per_row_ms: float, upto: int = 40) -> StepCost:
     return cost
 
 
-def test_closed_batch_token_values():
-    # T(R) = 50 + 5 (R - 1) ms: at 2 rows 55 ms, a row's marginal cost 5 ms,
-    # the step's fixed part 45 ms; a request's share of the step 27.5 ms
+def test_fixed_budget_keeps_every_tree_and_always_drafts():
+    fixed = make_budget(cost_aware=False)
+    assert isinstance(fixed, FixedBudget)
+    assert fixed.will_draft and fixed.draft_now() and not fixed.exploring and fixed.side_work
+    fixed.learn("a", [1, 2, 3], accepted=2)  # learns nothing, fails on nothing
+    fixed.observe_step(3, 0.5)
+    trees = [TREE, None, DraftTree([], [])]
+    out, choice = fixed.choose(["a", "b", "c"], trees, [3, 3, 3], rows=3)
+    assert out[0] is TREE and out[1] is None and out[2] is None
+    assert choice.sizes == [6, 0, 0]
+    assert fixed.token_seconds(3) == 0.0
+    assert fixed.reset_learning() is False and fixed.as_dict() is None
+    assert isinstance(make_budget(cost_aware=True), BudgetController)
+
+
+def test_token_seconds_is_a_requests_share_of_a_plain_step():
     ctl = BudgetController(cost=_linear_cost(50, 5))
-    # only the request with the most tokens left shortens the batch
-    np.testing.assert_allclose(ctl.token_values(2, [100, 50]), [50 / 27.5, 5 / 27.5])
-    # evenly placed: every request's token is worth its share (the open-workload value)
-    np.testing.assert_allclose(ctl.token_values(2, [64, 64]), [1.0, 1.0])
-    np.testing.assert_allclose(ctl.token_values(1, [7]), [1.0])  # batch 1: a whole step
-    assert ctl.token_values(2, None) is None  # an open workload
-    # requests that stop at end of sequence: half the weight is the open-workload one
-    np.testing.assert_allclose(ctl.token_values(2, [100, 50], length_bound=0.5),
-                               [0.5 * 50 / 27.5 + 0.5, 0.5 * 5 / 27.5 + 0.5])
-    assert ctl.token_values(2, [100, 50], length_bound=0.0) is None
-    assert BudgetController().token_values(2, [1, 2]) is None  # no step timed yet
-
-
-def test_closed_batch_drafts_where_it_shortens_the_batch():
-    model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
-    model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, 0.5e6  # every node 0.5
-    ctl = BudgetController(model, _linear_cost(50, 5))
-    trees = [DraftTree([5], [-1]), DraftTree([6], [-1])]
-    # open workload: a 0.5-likely node is worth 0.5 * 27.5 ms against 5 ms a row
-    _, open_ = ctl.choose(["a", "b"], trees, [10, 10], rows=2)
-    assert open_.sizes == [1, 1]
-    # closed batch, "b" has fewer tokens left: its token saves only a row
-    # (5 ms, at 0.5: 2.5 ms) for a row's 5 ms; "a"'s shortens the batch
-    _, closed = ctl.choose(["a", "b"], trees, [10, 10], rows=2, remaining=[100, 50])
-    assert closed.sizes == [1, 0]
+    assert ctl.token_seconds(2) == pytest.approx(0.055 / 2)  # 55 ms over 2 requests
+    assert BudgetController().token_seconds(2) == 0.0  # no step timed yet
 
 
 def test_sources_are_estimated_apart_and_shrunk_toward_the_pool():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.runner.reference_attention import masked_tree_attention
-from tests.runner.test_tree_attention_paths import _paged
+from tests.helpers.paged_cache import paged_cache
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.kernels import cpu_tree_attention as native
 from vllm_specplug.kernels.cache_layout import cpu_split_cache
@@ -66,7 +66,7 @@ def test_native_matches_gathered_attention(layout, n, h, hkv, d, c, bs, parents,
     g = torch.Generator().manual_seed(n * 1000 + c)
     q, kc, vc, ks, vs, mask, blocks, nb = _problem(g, n, h, hkv, d, c, bs, parents,
                                                    strided=strided)
-    k_cache, v_cache = cpu_split_cache(_paged(kc, vc, blocks, nb, bs, layout))
+    k_cache, v_cache = cpu_split_cache(paged_cache(kc, vc, blocks, nb, bs, layout))
     out = torch.full((n, h, d), float("nan"))
     assert native.tree_attention(q, k_cache, v_cache, blocks, c, ks, vs, mask, d ** -0.5,
                                  layout, out)
@@ -84,7 +84,7 @@ def test_native_writes_only_its_rows_of_a_layer_output():
     g = torch.Generator().manual_seed(7)
     n, h, hkv, d, c, bs = 4, 4, 2, 32, 50, 32
     q, kc, vc, ks, vs, mask, blocks, nb = _problem(g, n, h, hkv, d, c, bs, [-1, 0, 0, 1])
-    k_cache, v_cache = cpu_split_cache(_paged(kc, vc, blocks, nb, bs, "k_transposed"))
+    k_cache, v_cache = cpu_split_cache(paged_cache(kc, vc, blocks, nb, bs, "k_transposed"))
     layer_out = torch.full((n + 4, h, d), 7.0)
     assert native.tree_attention(q, k_cache, v_cache, blocks, c, ks, vs, mask, d ** -0.5,
                                  "k_transposed", layer_out[2 : 2 + n])
@@ -100,7 +100,7 @@ def test_native_bfloat16():
     n, h, hkv, d, c, bs = 6, 9, 3, 64, 200, 32
     q, kc, vc, ks, vs, mask, blocks, nb = _problem(g, n, h, hkv, d, c, bs,
                                                    [-1, 0, 0, 1, 1, 2], dtype=torch.bfloat16)
-    cache = _paged(kc.float(), vc.float(), blocks, nb, bs, "k_transposed").to(torch.bfloat16)
+    cache = paged_cache(kc.float(), vc.float(), blocks, nb, bs, "k_transposed").to(torch.bfloat16)
     k_cache, v_cache = cpu_split_cache(cache)
     out = torch.empty(n, h, d, dtype=torch.bfloat16)
     assert native.tree_attention(q, k_cache, v_cache, blocks, c, ks, vs, mask, d ** -0.5,
@@ -114,7 +114,7 @@ def test_native_refuses_what_it_does_not_handle():
     """float16 and a non-contiguous head dimension go to the ATen path."""
     g = torch.Generator().manual_seed(2)
     q, kc, vc, ks, vs, mask, blocks, nb = _problem(g, 2, 4, 2, 32, 40, 32, [-1, 0])
-    k_cache, v_cache = cpu_split_cache(_paged(kc, vc, blocks, nb, 32, "plain"))
+    k_cache, v_cache = cpu_split_cache(paged_cache(kc, vc, blocks, nb, 32, "plain"))
     out = torch.zeros(2, 4, 32)
     half = [t.half() for t in (q, k_cache, v_cache, ks, vs, out)]
     assert not native.tree_attention(half[0], half[1], half[2], blocks, 40, half[3], half[4],
@@ -133,7 +133,7 @@ def test_self_check_and_switch(monkeypatch):
     out = torch.zeros(1, 4, 32)
     g = torch.Generator().manual_seed(0)
     q, kc, vc, ks, vs, mask, blocks, nb = _problem(g, 1, 4, 2, 32, 10, 32, [-1])
-    k_cache, v_cache = cpu_split_cache(_paged(kc, vc, blocks, nb, 32, "plain"))
+    k_cache, v_cache = cpu_split_cache(paged_cache(kc, vc, blocks, nb, 32, "plain"))
     assert not native.tree_attention(q, k_cache, v_cache, blocks, 10, ks, vs, mask, 0.1,
                                      "plain", out)
 
@@ -154,7 +154,7 @@ def test_native_beats_the_aten_path():
     n, h, hkv, d, c, bs = 8, 9, 3, 64, 1000, 128
     q, kc, vc, ks, vs, mask, blocks, nb = _problem(g, n, h, hkv, d, c, bs,
                                                    [-1] + [(i - 1) // 2 for i in range(1, n)])
-    k_cache, v_cache = cpu_split_cache(_paged(kc, vc, blocks, nb, bs, "k_transposed"))
+    k_cache, v_cache = cpu_split_cache(paged_cache(kc, vc, blocks, nb, bs, "k_transposed"))
     mask_u8 = mask.to(torch.uint8).contiguous()
     bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
     out = torch.empty(n, h, d)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.methods.test_methods_engine import _check, baseline  # noqa: F401 (fixture)
+from tests.helpers.engine_checks import check_greedy_equal
+from tests.helpers.prompts import COPY_MAX_TOKENS
 
 pytestmark = pytest.mark.engine
 
@@ -19,13 +20,16 @@ pytestmark = pytest.mark.engine
     pytest.param(2, False, marks=pytest.mark.slow),
     pytest.param(8, False, marks=pytest.mark.slow),
     pytest.param(8, True, marks=pytest.mark.slow)])
-def test_adapld_defaults_any_budget_lossless(ref_model, baseline, budget, paper):  # noqa: F811
+def test_adapld_defaults_any_budget_lossless(ref_model, copy_baseline, budget, paper):
     spec = {"method": "adapld", "num_speculative_tokens": budget, "cost_aware": False}
     if paper:
         spec["paper_literal"] = True
-    stats = _check(ref_model, baseline, spec)
+    stats = check_greedy_equal(ref_model, copy_baseline, spec, COPY_MAX_TOKENS)
     m = stats["method"]
     assert stats["accepted_tokens"] > 0
     assert m["drafts_lexical"] > 0
     if not paper:
-        assert m["suffix_anchors"] > 0 and m["rerank_anchors"] >= 0
+        # both anchor paths drafted: copies after a 2+ token match, and the
+        # hidden-state rerank after a single-token match (``rerank_single``),
+        # which natural text meets at almost every step without a longer one
+        assert m["suffix_anchors"] > 0 and m["rerank_anchors"] > 0

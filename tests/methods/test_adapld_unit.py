@@ -12,7 +12,7 @@ from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
 from vllm_specplug.methods.adapld import AdaPLDConfig, AdaPLDProposer
 from tests.methods.budget import propose, tree_paths
-from tests.sources.test_retrieval import H, V, embeddings, unit
+from tests.helpers.retrieval import H, V, embeddings, unit
 
 
 def make_ctx(n_spec=8, embed=None, layers=4, max_len=4096):

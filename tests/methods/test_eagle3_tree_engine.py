@@ -8,47 +8,24 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy, run_isolated
+from tests.helpers.engine_checks import flush
+from tests.helpers.prompts import PREAMBLE, SPEC_BENCH_MAX_TOKENS, spec_bench_prompts
 from tests.methods.sampling import check_sampling_keeps_distribution
 
 pytestmark = pytest.mark.engine
 
-MAX_TOKENS = 24
+MAX_TOKENS = SPEC_BENCH_MAX_TOKENS
 # Pinned tree size (no cost-aware cut): the acceptance checks below are of
 # the head's trees, not of what a busy CPU can afford to verify.
 SPEC = {"method": "eagle3_tree", "num_speculative_tokens": 16, "cost_aware": False}
 # the default-suite test drafts smaller trees: the head's passes are what
 # a step costs on this CPU (the losslessness does not depend on the shape)
 SMALL = {**SPEC, "depth": 5, "topk": 6}
-# A shared system-style preamble longer than a CPU KV block (128 tokens), so
-# prefix caching serves whole blocks and the head's prefix store is used.
-PREAMBLE = ("You are a careful assistant. Answer step by step, keep the answer short, "
-            "and show the arithmetic when there is any. ") * 8
-
-
-def _prompts(model: str, n: int, preamble: str = "") -> list[list[int]]:
-    import json
-
-    from transformers import AutoTokenizer
-
-    from vllm_specplug.corpus import chat_ids
-    from vllm_specplug.eagle3.prompts import spec_bench_path
-
-    tok = AutoTokenizer.from_pretrained(model)
-    with open(spec_bench_path(), encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
-    cats = ("writing", "math_reasoning", "coding", "stem")
-    picked = [r for c in cats for r in rows if r["category"] == c][::9][:n]
-    return [chat_ids(tok, preamble + r["turns"][0]) for r in picked]
-
-
-def _flush(llm) -> None:
-    """Deliver 'finished' for every earlier request (it comes with the next step)."""
-    greedy(llm, [[5, 6, 7]], 1)
 
 
 @pytest.fixture(scope="module")
 def baseline(ref_model):
-    prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
+    prompts = spec_bench_prompts(ref_model, 4) + spec_bench_prompts(ref_model, 4, PREAMBLE)
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
@@ -58,7 +35,7 @@ def test_lossless_prefix_caching_off(ref_model, baseline):
     with engine(ref_model, SPEC, max_model_len=1024, enable_prefix_caching=False) as llm:
         assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
         assert greedy(llm, prompts, MAX_TOKENS) == ref
-        _flush(llm)
+        flush(llm)
         stats = llm.collective_rpc("specplug_stats")[0]
     m = stats["method"]
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
@@ -144,7 +121,6 @@ def test_topk1_drafts_equal_vllm_eagle3(ref_model, baseline):
     assert d_t == d_v[: len(d_t)], (d_t, d_v)
 
 
-@pytest.mark.slow
-def test_sampling_keeps_target_distribution(ref_model, baseline):
+def test_sampling_keeps_target_distribution(ref_model):
     spec = {"method": "eagle3_tree", "num_speculative_tokens": 8, "depth": 3, "topk": 4}
     check_sampling_keeps_distribution(ref_model, spec, "Count from 1 to 10.")

@@ -7,28 +7,17 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.contexts import proposer_ctx, ref_model_ctx
 from tests.methods.budget import propose
 
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.registry import resolve as split_speculative_config
-from vllm_specplug.engine.interface import ProposerContext, StepRequest
+from vllm_specplug.engine.interface import StepRequest
 from vllm_specplug.methods.eagle3_tree import (
     Eagle3TreeConfig,
     Eagle3TreeProposer,
     default_held_rows,
 )
-
-
-def _ctx(model: str, vocab: int, hidden: int, embed=None, n: int = 16) -> ProposerContext:
-    return ProposerContext(vocab_size=vocab, hidden_size=hidden, num_speculative_tokens=n,
-                           max_model_len=1024, device=torch.device("cpu"),
-                           dtype=torch.float32, model_path=model, tokenizer_path=model,
-                           embed_tokens=embed)
-
-
-def _ref_ctx(ref_model: str) -> ProposerContext:
-    """The reference model's shape, with random input embeddings."""
-    return _ctx(ref_model, 49152, 576, torch.randn(49152, 576) * 0.05)
 
 
 def _step(prop, toks, aux, n_prompt: int, pos: int, n: int, budget: int,
@@ -42,8 +31,8 @@ def _step(prop, toks, aux, n_prompt: int, pos: int, n: int, budget: int,
 
 def test_unknown_target_needs_a_head(tiny_model):
     with pytest.raises(SpecplugConfigError, match=r"\['head'\] is required"):
-        Eagle3TreeProposer(Eagle3TreeConfig(), _ctx(tiny_model, 512, 256,
-                                                    torch.zeros(512, 256)))
+        Eagle3TreeProposer(Eagle3TreeConfig(),
+                           proposer_ctx(tiny_model, 512, 256, torch.zeros(512, 256)))
 
 
 def test_bad_options_fail_in_one_line(tmp_path):
@@ -60,7 +49,7 @@ def test_proposer_feeds_every_request_and_respects_budgets(ref_model):
     one near max_model_len gets a smaller tree, an unsampled chunk none."""
     from vllm_specplug.eagle3 import shipped_head_path
 
-    ctx = _ref_ctx(ref_model)
+    ctx = ref_model_ctx(ref_model)
     ctx.max_model_len = 70
     prop = Eagle3TreeProposer(Eagle3TreeConfig(depth=4, topk=4), ctx)
     assert prop.needs().aux_layers == (2, 15, 27)
@@ -86,7 +75,7 @@ def test_rows_without_a_draft_are_held_and_fed_at_the_next_draft(ref_model):
     costs no head pass; its rows are fed, in order, with the next step that
     asks for a draft, and the head's state then equals a state fed every
     step (same K/V rows, same tree)."""
-    ctx = _ref_ctx(ref_model)
+    ctx = ref_model_ctx(ref_model)
     g = torch.Generator().manual_seed(1)
     toks = np.arange(200, 260, dtype=np.int64)
     aux = torch.randn(59, 3 * 576, generator=g)
@@ -144,7 +133,7 @@ def test_catch_up_rows_count_what_the_head_holds(ref_model):
     (what its next draft would first feed the head); 0 + new once fed. The
     default bound holds a 1200-token prompt of the reference model (16 MiB:
     2427 rows of 3 x 576 floats), which a bound of 1024 rows would not."""
-    ctx = _ref_ctx(ref_model)
+    ctx = ref_model_ctx(ref_model)
     g = torch.Generator().manual_seed(3)
     toks = np.arange(100, 1400, dtype=np.int64)
     aux = torch.randn(1250, 3 * 576, generator=g)
@@ -171,7 +160,7 @@ def test_head_stops_deepening_where_a_level_is_worth_less_than_its_pass(ref_mode
     """``StepRequest.token_seconds``: with a token worth far less than a
     level's measured time the head drafts one level only; unknown (0) or
     worth a lot, it drafts to its full depth."""
-    ctx = _ref_ctx(ref_model)
+    ctx = ref_model_ctx(ref_model)
     g = torch.Generator().manual_seed(2)
     toks = np.arange(300, 341, dtype=np.int64)
     aux = torch.randn(40, 3 * 576, generator=g)

@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
-from tests.methods.test_eagle3_tree_engine import MAX_TOKENS, PREAMBLE, _prompts
+from tests.helpers.prompts import PREAMBLE, spec_bench_prompts
+from tests.helpers.prompts import SPEC_BENCH_MAX_TOKENS as MAX_TOKENS
 
 pytestmark = pytest.mark.engine
 
@@ -22,7 +23,7 @@ SPEC = {"method": "graft", "num_speculative_tokens": 16, "depth": 5, "topk": 6,
 
 @pytest.fixture(scope="module")
 def baseline(ref_model):
-    prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
+    prompts = spec_bench_prompts(ref_model, 4) + spec_bench_prompts(ref_model, 4, PREAMBLE)
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
@@ -49,7 +50,6 @@ def test_lossless_under_preemption(ref_model, baseline):
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
 
 
-@pytest.mark.slow
 def test_sampling_keeps_target_distribution(ref_model):
     spec = {**SPEC, "num_speculative_tokens": 8, "depth": 3, "topk": 4,
             "checkpoints": [0, 1]}

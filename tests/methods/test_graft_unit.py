@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.methods.budget import propose
-from tests.methods.test_eagle3_tree_unit import _ctx
+from tests.helpers.contexts import proposer_ctx
 
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.methods.graft import GraftConfig, GraftProposer, _Gate
@@ -54,7 +54,7 @@ def parts(ref_model):
 
 def _proposer(parts, n=60, **opts) -> GraftProposer:
     ref_model, embed, _, _ = parts
-    prop = GraftProposer(GraftConfig(**opts), _ctx(ref_model, VOCAB, HIDDEN, embed, n=n))
+    prop = GraftProposer(GraftConfig(**opts), proposer_ctx(ref_model, VOCAB, HIDDEN, embed, n=n))
     # every token has 8 distinct successors, so retrieval never runs dry
     g = torch.Generator().manual_seed(2)
     toks = torch.arange(VOCAB)
@@ -100,7 +100,7 @@ def test_retrieval_reads_the_requests_own_tenant_table(parts):
 
     ref_model, embed, aux, toks = parts
     prop = GraftProposer(GraftConfig(thresholds=[1.0, 1.0, 1.0]),  # pruned at d0: 8 + 52
-                         _ctx(ref_model, VOCAB, HIDDEN, embed, n=60))
+                         proposer_ctx(ref_model, VOCAB, HIDDEN, embed, n=60))
     chain = torch.as_tensor(toks[:-1])
     teach = torch.stack([chain + 1 + r for r in range(8)], dim=1)  # t -> t+1, t+2, ...
     propose(prop, [StepRequest(req_id="a1", token_ids=toks, num_prompt_tokens=40,

@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
-from tests.methods.test_pld_engine import MAX_TOKENS, _prompts
+from tests.helpers.engine_checks import check_greedy_equal, flush
+from tests.helpers.prompts import COPY_MAX_TOKENS as MAX_TOKENS
+from tests.helpers.prompts import copy_prompts
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def baseline(ref_model):
-    prompts = _prompts(ref_model, 8)
+    prompts = copy_prompts(ref_model, 8)
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
@@ -39,18 +41,7 @@ def dense_store(ref_model, baseline, tmp_path_factory):
 
 
 def _check(ref_model, baseline, spec):
-    prompts, ref = baseline
-    with engine(ref_model, spec, max_model_len=1024) as llm:
-        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
-        assert greedy(llm, prompts, MAX_TOKENS) == ref
-        _flush(llm)
-        return llm.collective_rpc("specplug_stats")[0]
-
-
-def _flush(llm) -> None:
-    """vLLM tells the workers which requests finished with the *next* step;
-    one more one-token request delivers that for everything before it."""
-    greedy(llm, [[5, 6, 7]], 1)
+    return check_greedy_equal(ref_model, baseline, spec, MAX_TOKENS)
 
 
 @pytest.mark.slow  # default-suite time budget (30 min)
@@ -91,7 +82,7 @@ def test_adapld_memory_does_not_grow_over_200_requests(ref_model):
     prompts = [[1000 + i, 2000 + i, 3000 + i, 1000 + i] for i in range(200)]
     with engine(ref_model, spec, max_model_len=256) as llm:
         greedy(llm, prompts, 4)
-        _flush(llm)
+        flush(llm)
         m = llm.collective_rpc("specplug_stats")[0]["method"]
     # Only the flush request can still be held: the 200 before it were freed.
     assert m["live_memories"] <= 1 and m["memory_bytes"] < 1_000_000

@@ -3,41 +3,19 @@ vLLM's built-in `ngram` at the same settings."""
 
 from __future__ import annotations
 
-import json
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy, run_isolated, spec_counters
+from tests.helpers.prompts import COPY_MAX_TOKENS, copy_prompts
 
 pytestmark = pytest.mark.engine
 
-MAX_TOKENS = 48
-
-
-def _prompts(model: str, n: int) -> list[list[int]]:
-    """Chat-formatted Spec-Bench summarization/RAG prompts (plenty to copy)."""
-    from transformers import AutoTokenizer
-
-    from vllm_specplug.suites import shared_dir
-
-    tok = AutoTokenizer.from_pretrained(model)
-    path = shared_dir() / "data/spec_bench/question.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    rows = [r for r in rows if r["category"] in ("summarization", "rag")]
-    out = []
-    for r in rows[: n * 3]:
-        text = tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}],
-                                       add_generation_prompt=True, tokenize=False)
-        ids = tok.encode(text, add_special_tokens=False)
-        if len(ids) < 900:
-            out.append(ids)
-        if len(out) == n:
-            break
-    return out
+MAX_TOKENS = COPY_MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
 def baseline(ref_model):
-    prompts = _prompts(ref_model, 8)
+    prompts = copy_prompts(ref_model, 8)
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
-from tests.methods.test_eagle3_tree_engine import PREAMBLE, _prompts
+from tests.helpers.prompts import PREAMBLE, spec_bench_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +40,7 @@ def store(tmp_path_factory, ref_model):
 
 @pytest.fixture(scope="module")
 def baseline(ref_model):
-    prompts = _prompts(ref_model, 4) + _prompts(ref_model, 4, PREAMBLE)
+    prompts = spec_bench_prompts(ref_model, 4) + spec_bench_prompts(ref_model, 4, PREAMBLE)
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
@@ -67,7 +67,6 @@ def test_lossless_under_preemption(ref_model, baseline, store):
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
 
 
-@pytest.mark.slow
 def test_sampling_keeps_target_distribution(ref_model, store):
     spec = {**SPEC, "datastore": store, "num_speculative_tokens": 10, "depth": 3, "topk": 4,
             "d_search": 4, "d_deep": 2}

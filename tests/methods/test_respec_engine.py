@@ -156,7 +156,6 @@ def test_relaxed_applies_only_to_requests_that_opt_in(ref_model, baseline):
     assert relaxed_counts["relaxed_tokens"] > 0 and relaxed_counts["relaxed_opted_out"] == 0
 
 
-@pytest.mark.slow
 def test_sampling_keeps_target_distribution(ref_model):
     # A prompt whose answer repeats it, so the retrieval trigger has keys
     # to look up (the assertion below only requires the head's trees).

@@ -11,8 +11,9 @@ import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
-from tests.methods.test_methods_engine import _flush
-from tests.methods.test_pld_engine import MAX_TOKENS, _prompts
+from tests.helpers.engine_checks import flush
+from tests.helpers.prompts import COPY_MAX_TOKENS as MAX_TOKENS
+from tests.helpers.prompts import copy_prompts
 from vllm_specplug.sources import suffix_cache
 
 pytestmark = [pytest.mark.engine,
@@ -27,7 +28,7 @@ SPEC = {"method": "suffix_tree", "num_speculative_tokens": 12, "cost_aware": Fal
 
 @pytest.fixture(scope="module")
 def baseline(ref_model):
-    prompts = _prompts(ref_model, 8)
+    prompts = copy_prompts(ref_model, 8)
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
@@ -36,7 +37,7 @@ def test_lossless_batch_1_and_8_and_frees_requests(ref_model, baseline):
     with engine(ref_model, SPEC, max_model_len=1024) as llm:
         assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
         assert greedy(llm, prompts, MAX_TOKENS) == ref
-        _flush(llm)
+        flush(llm)
         stats = llm.collective_rpc("specplug_stats")[0]
     m = stats["method"]
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
@@ -65,9 +66,8 @@ def test_preemption_prefix_caching_chunked_prefill(tiny_model):
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0, stats
 
 
-@pytest.mark.slow  # ~3 min: default-suite time budget (30 min), as the head methods'
 def test_sampling_keeps_target_distribution(ref_model):
-    # 600 samples of one prompt: the global suffix tree holds the earlier
+    # many samples of one prompt: the global suffix tree holds the earlier
     # samples, so trees branch where the samples did
     stats = check_sampling_keeps_distribution(
         ref_model, SPEC, "List the first ten prime numbers, one per line.", max_tokens=6)

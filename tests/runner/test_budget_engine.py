@@ -55,45 +55,6 @@ def test_pld_with_budget_is_lossless_at_batch_8(ref_model):
     assert cold["step_ms_by_rows"] == {}
 
 
-def _generate(llm, prompts, max_tokens: list[int]) -> list[list[int]]:
-    from vllm import SamplingParams, TokensPrompt
-
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in max_tokens]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def test_closed_batch_and_waiting_requests_weigh_tokens_differently(ref_model):
-    # Two slots, four requests: the first burst fits (a closed batch: the
-    # budget weighs tokens by the requests' tokens left); in the second,
-    # requests wait and take finished ones' places (an open workload: every
-    # token is worth a request's share of a step). Lossless either way.
-    first, second = PROMPTS[:2], PROMPTS[2:6]
-    lens = [6, 40, 40, 40]
-    with engine(ref_model, max_num_seqs=2) as llm:
-        ref = greedy(llm, first, 24), _generate(llm, second, lens)
-    spec = {"method": "pld", "num_speculative_tokens": 8, "tree_branches": 2,
-            "closed_batch_values": True}
-    with engine(ref_model, spec, max_num_seqs=2) as llm:
-        got = [greedy(llm, first, 24)]
-        b1 = llm.collective_rpc("specplug_stats")[0]["budget"]
-        got.append(_generate(llm, second, lens))
-        b2 = llm.collective_rpc("specplug_stats")[0]["budget"]
-    assert tuple(got) == ref
-    assert b1["closed_steps"] >= b1["steps"] - 2  # a step or two before any timing
-    # the second burst: closed until the 6-token request made room (~6
-    # steps), open from then on
-    steps, closed = b2["steps"] - b1["steps"], b2["closed_steps"] - b1["closed_steps"]
-    assert steps > 30 and closed <= 10, (steps, closed)
-    # off by default (config.MethodConfig.closed_batch_values)
-    spec.pop("closed_batch_values")
-    with engine(ref_model, spec, max_num_seqs=2) as llm:
-        assert greedy(llm, first, 24) == ref[0]
-        assert llm.collective_rpc("specplug_stats")[0]["budget"]["closed_steps"] == 0
-
-
 GATED: list[tuple[bool, bool]] = []
 """Per decode step of GatedProbe: (some request may draft, some decoding
 request got top-k or entropies)."""

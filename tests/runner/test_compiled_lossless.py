@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.conftest import engine, greedy, onednn_order_unknown_here
-from tests.methods.test_pld_engine import _prompts
+from tests.helpers.prompts import copy_prompts
 from vllm_specplug.sources import suffix_cache
 
 pytestmark = pytest.mark.engine
@@ -30,7 +30,7 @@ MAX_TOKENS = 32
 def baseline(ref_model, tmp_path_factory):
     """Plain decoding, compiled: 8 chat prompts (Spec-Bench summarization and
     RAG: plenty for pld to copy) and their greedy continuations."""
-    prompts = _prompts(ref_model, 8)
+    prompts = copy_prompts(ref_model, 8)
     with engine(ref_model, compiled=True) as llm:
         outs = greedy(llm, prompts, MAX_TOKENS)
         from vllm.config import CompilationMode

@@ -19,6 +19,7 @@ from vllm_specplug.runner.checks import (
     check_kv_groups,
     check_layers,
     check_model,
+    check_model_runner,
     check_parallel,
 )
 
@@ -140,3 +141,42 @@ def test_full_cuda_graphs_refused():
             check_graph_mode(CompilationConfig(cudagraph_mode=mode), "cuda")
     for mode in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
         assert check_graph_mode(CompilationConfig(cudagraph_mode=mode), "cuda") == mode.name
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("decode_context_parallel_size", 2, "decode_context_parallel_size=2"),
+    ("prefill_context_parallel_size", 2, "prefill_context_parallel_size=2"),
+    ("enable_dbo", True, "dual-batch overlap"),
+    ("ubatch_size", 2, "micro-batching"),
+])
+def test_context_parallel_and_micro_batching_refused(key, value, words):
+    from vllm.config import ParallelConfig
+
+    parallel = ParallelConfig()
+    check_parallel(parallel)
+    setattr(parallel, key, value)
+    with pytest.raises(ValueError, match=words) as err:
+        check_parallel(parallel)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("env,refused", [(None, False), ("0", False), ("1", True)])
+def test_v2_model_runner_refused(monkeypatch, env, refused):
+    from vllm import envs
+    from vllm.config import VllmConfig
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    # built without the variable: this CPU build refuses V2 while building
+    config = VllmConfig()
+    # a custom_class drafter: what the plugin hands vLLM
+    config.speculative_config = SimpleNamespace(
+        method="custom_class", parallel_drafting=False, use_heterogeneous_vocab=False)
+    if env is not None:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    if refused:
+        with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER"):
+            check_model_runner(config)
+    else:
+        check_model_runner(config)

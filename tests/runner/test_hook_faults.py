@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from vllm_specplug.engine.budget import FixedBudget
 from vllm_specplug.engine.interface import ProposerContext, StepRequest
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.methods.pld import PLDConfig, PLDProposer
@@ -158,7 +159,7 @@ class _Runner(SpecplugRunnerMixin, _Base):
 
 def _runner(prop, max_request_faults=3):
     r = object.__new__(_Runner)
-    r._sp_proposer, r._sp_stats, r._sp_budget = prop, TreeStats(), None
+    r._sp_proposer, r._sp_stats, r._sp_budget = prop, TreeStats(), FixedBudget()
     r._sp_trees, r._sp_sourced, r._sp_opted_out = {}, {}, set()
     r._sp_step_no, r._sp_explore_turn = 0, 0
     r.requests, r.input_batch = {}, SimpleNamespace(req_ids=[])

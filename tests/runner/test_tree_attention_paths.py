@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.paged_cache import paged_cache
 from tests.runner.reference_attention import masked_tree_attention
 from vllm_specplug.engine.tree import DraftTree
 
@@ -62,23 +63,6 @@ def test_masked_tree_attention_matches_per_query_softmax():
                                        atol=1e-5, rtol=1e-5)
 
 
-def _paged(k_ctx, v_ctx, blocks, nb, bs, layout):
-    """A vLLM CPU cache ``[nb, Hkv, bs, 2D]`` holding the context at ``blocks``,
-    written by hand in ``layout`` (k_transposed: a key block is [Hkv, D, bs])."""
-    c, hkv, d = k_ctx.shape
-    cache = torch.full((nb, hkv, bs, 2 * d), float("nan"))
-    kv = cache.view(nb, hkv, 2 * bs, d)
-    for pos in range(c):
-        b, t = int(blocks[pos // bs]), pos % bs
-        for h in range(hkv):
-            if layout == "k_transposed":
-                kv[b, h, :bs].reshape(d, bs)[:, t] = k_ctx[pos, h]
-            else:
-                kv[b, h, t] = k_ctx[pos, h]
-            kv[b, h, bs + t] = v_ctx[pos, h]
-    return cache
-
-
 def test_paged_tree_attention_reads_the_cache_in_both_layouts():
     """The CPU path's attention over the paged cache (context split over
     non-consecutive blocks, a part-filled last block whose unused slots hold
@@ -106,7 +90,7 @@ def test_paged_tree_attention_reads_the_cache_in_both_layouts():
             w = torch.softmax(keys[visible, kv] @ q[i, head] * D ** -0.5, dim=0)
             want[i, head] = w @ vals[visible, kv]
     for layout in ("k_transposed", "plain"):
-        k_cache, v_cache = cpu_split_cache(_paged(kc, vc, blocks, nb, bs, layout))
+        k_cache, v_cache = cpu_split_cache(paged_cache(kc, vc, blocks, nb, bs, layout))
         got = paged_tree_attention(q, k_cache, v_cache, blocks, c, ks, vs, bias,
                                    D ** -0.5, layout)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

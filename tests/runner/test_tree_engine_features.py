@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import random
-from collections import Counter
 
-import numpy as np
 import pytest
-from scipy.stats import chi2_contingency
 
 from tests.conftest import engine, greedy
+from tests.helpers.sampling_stats import homogeneity_pvalue
 
 pytestmark = pytest.mark.engine
 
@@ -73,17 +71,6 @@ def _sample(llm, prompt, n, seed0, max_tokens=3):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _homogeneous(a: list[int], b: list[int]) -> float:
-    """Chi-square p-value that a and b come from one distribution (rare
-    tokens pooled)."""
-    ca, cb = Counter(a), Counter(b)
-    keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
-    rest = [sum(c[k] for k in c if k not in keys) for c in (ca, cb)]
-    table = np.array([[ca[k] for k in keys] + [rest[0]], [cb[k] for k in keys] + [rest[1]]])
-    table = table[:, table.sum(0) > 0]
-    return chi2_contingency(table).pvalue
-
-
 def test_sampling_keeps_target_distribution(tiny_model, tmp_path):
     """Temperature 1 on the tiny model: with trees built from earlier samples
     (realistic sibling sets), the tokens verified through the trees follow
@@ -101,7 +88,7 @@ def test_sampling_keeps_target_distribution(tiny_model, tmp_path):
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
     for pos in (1, 2):
-        p = _homogeneous([s[pos] for s in plain], [s[pos] for s in tree])
+        p = homogeneity_pvalue([s[pos] for s in plain], [s[pos] for s in tree])
         assert p > 1e-3, (pos, p)
 
 

@@ -4,6 +4,7 @@ branches, successors, tree building, the per-request token table."""
 import numpy as np
 import torch
 
+from tests.helpers.retrieval import H, V, embeddings, unit
 from vllm_specplug.sources.context_memory import ContextMemory
 from vllm_specplug.sources.retrieval import (
     BRANCH,
@@ -22,15 +23,6 @@ from vllm_specplug.sources.retrieval import (
     successor_paths,
 )
 
-V, H = 64, 4
-
-
-def unit(i, dim=H):
-    v = np.zeros(dim, dtype=np.float32)
-    v[i % dim] = 1.0
-    return v
-
-
 def make_mem(tokens, hidden=None, topk=None, k=4, cap=4096, head=0):
     """A memory holding ``tokens``; ``hidden``/``topk`` map position -> row
     (positions left out have no state, like the last token)."""
@@ -43,14 +35,6 @@ def make_mem(tokens, hidden=None, topk=None, k=4, cap=4096, head=0):
         probs = np.linspace(0.5, 0.1, len(ids))[None]
         mem.update(tokens, p, topk_ids=np.asarray(ids)[None], topk_probs=probs)
     return mem
-
-
-def embeddings(similar=()):
-    """One-hot token embeddings; ``similar`` pairs (a, b, cos) get cosine cos."""
-    e = torch.eye(V)
-    for a, b, c in similar:
-        e[b] = c * e[a] + (1 - c * c) ** 0.5 * torch.eye(V)[b]
-    return e
 
 
 # ------------------------------------------------------------------ retrieval

@@ -10,12 +10,15 @@ def register_cli(sub) -> None:
     p.add_argument("--model", default=None,
                    help="target model (default: the reference model)")
     p.add_argument("--methods", nargs="*", default=None,
-                   help="only these methods (default: all registered)")
+                   help="only these methods (default: all registered; the oracle "
+                   "control always runs)")
     p.add_argument("--options", default="{}",
                    help='JSON: per-method options, e.g. \'{"dresd": {"datastore": "..."}}\'')
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None,
+                   help="only this dtype (default: float32; on CUDA float32 with "
+                   "TRITON_ATTN and bfloat16 with FLASH_ATTN)")
     p.add_argument("--attention-backend", default=None,
-                   help="vLLM attention backend (GPU: FLASH_ATTN or TRITON_ATTN)")
+                   help="only this vLLM attention backend (GPU: FLASH_ATTN or TRITON_ATTN)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--num-speculative-tokens", type=int, default=16,
                    help="per method (adapld's default tree needs more than 8)")

@@ -391,11 +391,9 @@ def build_dense_datastore(
     t_start = time.time()
     if corpus is None and in_distribution is None:
         raise DatastoreError("give a corpus file, an in-distribution prompt file, or both")
-    for name, v, lo in (("n_next", n_next, 2), ("dims", dims, 1), ("max_sample", max_sample, 2),
-                        ("chunk_tokens", chunk_tokens, 2), ("max_doc_tokens", max_doc_tokens, 2),
-                        ("reorder", reorder, 1)):
-        if v < lo:
-            raise DatastoreError(f"{name} must be >= {lo}, got {v}")
+    _check_at_least(n_next=(n_next, 2), dims=(dims, 1), max_sample=(max_sample, 2),
+                    chunk_tokens=(chunk_tokens, 2), max_doc_tokens=(max_doc_tokens, 2),
+                    reorder=(reorder, 1))
     out = os.path.abspath(out)
     if os.path.exists(out) and os.listdir(out) and not overwrite:
         raise DatastoreError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
@@ -410,14 +408,15 @@ def build_dense_datastore(
     os.chmod(work, 0o755)  # mkdtemp makes it 0700
     try:
         try:
-            manifest = _build_into(
-                work, model=model, corpus=corpus, n_next=n_next, dims=dims,
+            opts = _BuildOptions(
+                model=model, corpus=corpus, n_next=n_next, dims=dims,
                 max_sample=max_sample, chunk_tokens=chunk_tokens,
                 max_doc_tokens=max_doc_tokens, dtype=dtype, in_distribution=in_distribution,
                 max_new_tokens=max_new_tokens, gen_batch_size=gen_batch_size,
                 txt_docs=txt_docs, index=index, reorder=reorder, keep_raw_keys=keep_raw_keys,
-                seed=seed, progress=progress, t_start=t_start,
+                seed=seed, progress=progress,
             )
+            manifest = _build_into(work, opts, t_start)
         except CorpusError as e:  # the CLI reports DatastoreErrors in one line
             raise DatastoreError(str(e)) from None
         if os.path.exists(out):
@@ -434,99 +433,172 @@ def build_dense_datastore(
     return manifest
 
 
-def _build_into(work: str, *, model: str, corpus, n_next, dims, max_sample, chunk_tokens,
-                max_doc_tokens, dtype, in_distribution, max_new_tokens, gen_batch_size,
-                txt_docs, index, reorder, keep_raw_keys, seed, progress, t_start) -> dict:
-    import torch
+def _check_at_least(**limits: tuple[int, int]) -> None:
+    """Each option ``name=(value, lowest)`` is at least its lowest value."""
+    for name, (v, lo) in limits.items():
+        if v < lo:
+            raise DatastoreError(f"{name} must be >= {lo}, got {v}")
 
-    lm, tok = _load_model(model, dtype)
-    cfg = lm.config
-    hidden_size = int(getattr(cfg, "hidden_size"))
-    vocab_size = int(cfg.vocab_size)
-    if dims > hidden_size:
-        raise DatastoreError(f"dims={dims} exceeds the model's hidden size {hidden_size}")
 
-    # ---- documents -------------------------------------------------------
-    responses: list[dict] = []
-    gen_docs: list[list[int]] = []
-    if in_distribution is not None:
-        gen_docs, responses = _generate_in_distribution(
-            lm, tok, in_distribution, max_new_tokens, gen_batch_size, progress)
-        with open(os.path.join(work, "responses.jsonl"), "w", encoding="utf-8") as f:
-            for r in responses:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+@dataclass(frozen=True)
+class _BuildOptions:
+    """``build_dense_datastore``'s options, as its build steps read them."""
 
-    skipped = 0
+    model: str
+    corpus: str | None
+    n_next: int
+    dims: int
+    max_sample: int
+    chunk_tokens: int
+    max_doc_tokens: int
+    dtype: str
+    in_distribution: str | None
+    max_new_tokens: int
+    gen_batch_size: int
+    txt_docs: str
+    index: str
+    reorder: int
+    keep_raw_keys: bool
+    seed: int
+    progress: bool
 
-    def token_docs() -> Iterator[list[int]]:
-        nonlocal skipped
-        for d in gen_docs:
-            d = d[:max_doc_tokens]
+
+class _TokenDocs:
+    """The documents' token ids (generated responses first, then the
+    corpus), each cut to ``max_doc_tokens``; documents under 2 tokens are
+    counted in ``skipped`` (nothing to predict)."""
+
+    def __init__(self, gen_docs: list[list[int]], tok, opts: _BuildOptions) -> None:
+        self.gen_docs, self.tok, self.opts = gen_docs, tok, opts
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        opts, tok = self.opts, self.tok
+        for d in self.gen_docs:
+            d = d[:opts.max_doc_tokens]
             if len(d) >= 2:
                 yield d
             else:
-                skipped += 1
-        if corpus is not None:
-            for text in iter_texts(corpus, tok, txt_docs):
-                # A chat-templated document already carries its BOS.
-                add = not (tok.bos_token and text.startswith(tok.bos_token))
-                ids = tok(text, add_special_tokens=add)["input_ids"][:max_doc_tokens]
-                if len(ids) >= 2:
-                    yield ids
-                else:
-                    skipped += 1
+                self.skipped += 1
+        if opts.corpus is None:
+            return
+        for text in iter_texts(opts.corpus, tok, opts.txt_docs):
+            # A chat-templated document already carries its BOS.
+            add = not (tok.bos_token and text.startswith(tok.bos_token))
+            ids = tok(text, add_special_tokens=add)["input_ids"][:opts.max_doc_tokens]
+            if len(ids) >= 2:
+                yield ids
+            else:
+                self.skipped += 1
 
-    # ---- pass 1: target forward, keys + values to scratch -----------------
-    raw_path = os.path.join(work, _RAW_KEYS)
-    val_path = os.path.join(work, _RAW_VALUES)
+
+def _build_into(work: str, opts: _BuildOptions, t_start: float) -> dict:
+    """Build the store's files in ``work``: documents, target forward (raw
+    keys and values), z-norm + PCA fit, reduced keys, index, manifest."""
+    lm, tok = _load_model(opts.model, opts.dtype)
+    hidden_size = int(getattr(lm.config, "hidden_size"))
+    if opts.dims > hidden_size:
+        raise DatastoreError(f"dims={opts.dims} exceeds the model's hidden size {hidden_size}")
+    gen_docs, responses = _in_distribution_docs(work, lm, tok, opts)
+    docs = _TokenDocs(gen_docs, tok, opts)
+    doc_offsets, n_tokens = _forward_pass(work, lm, docs, opts)
+    n = doc_offsets[-1]
+    if n < max(opts.dims, 2):
+        raise DatastoreError(f"corpus too small: {n} keys for {opts.dims} PCA dims")
+    raw = np.memmap(os.path.join(work, _RAW_KEYS), dtype=np.float32, mode="r",
+                    shape=(n, hidden_size))
+    fit = fit_transform(raw, opts.dims, opts.max_sample, seed=opts.seed, progress=opts.progress)
+    for name, key in (("zscore_mean", "mean"), ("zscore_std", "std"),
+                      ("pca_components", "components"),
+                      ("pca_explained_variance", "explained_variance")):
+        np.save(os.path.join(work, f"{name}.npy"), fit[key])
+    del raw
+    _reduce_keys(work, n, hidden_size, fit, opts)
+    np.save(os.path.join(work, "doc_offsets.npy"), np.asarray(doc_offsets, dtype=np.int64))
+    plan, index_seconds = _build_index(work, n, opts)
+    counts = {
+        "docs": len(doc_offsets) - 1,
+        "docs_skipped": docs.skipped,
+        "tokens": n_tokens,
+        "keys": n,
+        "sample": int(fit["sample_size"]),
+        "in_distribution_responses": len(responses),
+    }
+    manifest = _manifest(work, lm.config, tok, opts, fit, plan, counts,
+                         t_start=t_start, index_seconds=index_seconds)
+    tmp = os.path.join(work, MANIFEST_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, os.path.join(work, MANIFEST_FILE))
+    return manifest
+
+
+def _in_distribution_docs(work: str, lm, tok, opts: _BuildOptions):
+    """The prompts' greedy responses as documents (with their prompts),
+    and the responses, also written to ``responses.jsonl``; none without
+    ``in_distribution``."""
+    if opts.in_distribution is None:
+        return [], []
+    gen_docs, responses = _generate_in_distribution(
+        lm, tok, opts.in_distribution, opts.max_new_tokens, opts.gen_batch_size, opts.progress)
+    with open(os.path.join(work, "responses.jsonl"), "w", encoding="utf-8") as f:
+        for r in responses:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return gen_docs, responses
+
+
+def _forward_pass(work: str, lm, docs: _TokenDocs, opts: _BuildOptions) -> tuple[list[int], int]:
+    """Pass 1: the target's forward over every document, raw keys (last
+    hidden states) and values (the next ``n_next`` tokens) to scratch files.
+    Returns the documents' key offsets and the tokens read."""
+    import torch
+
+    vocab_size = int(lm.config.vocab_size)
     doc_offsets = [0]
     n_tokens = 0
-    torch.manual_seed(seed)
+    torch.manual_seed(opts.seed)
     bar = None
-    if progress:
+    if opts.progress:
         from tqdm import tqdm
 
         bar = tqdm(desc="target forward", unit="tok", file=sys.stderr, dynamic_ncols=True)
-    with open(raw_path, "wb") as fk, open(val_path, "wb") as fv:
-        docs = run_target(_hidden_forward(lm, chunk_tokens), token_docs(), chunk_tokens)
-        for doc, h in docs:
+    with (open(os.path.join(work, _RAW_KEYS), "wb") as fk,
+          open(os.path.join(work, _RAW_VALUES), "wb") as fv):
+        for doc, h in run_target(_hidden_forward(lm, opts.chunk_tokens), iter(docs),
+                                 opts.chunk_tokens):
             if len(doc_offsets) == 1:  # once, on the first document
                 check_lm_head_input(lm, doc)
             if max(doc) >= vocab_size:
                 raise DatastoreError(f"token id {max(doc)} >= model vocab size {vocab_size}")
             # The last position has no next token: it is not a key.
             fk.write(np.ascontiguousarray(h.numpy()[:-1], dtype=np.float32).tobytes())
-            fv.write(_values_for(doc, n_next).tobytes())
+            fv.write(_values_for(doc, opts.n_next).tobytes())
             doc_offsets.append(doc_offsets[-1] + len(doc) - 1)
             n_tokens += len(doc)
             if bar is not None:
                 bar.update(len(doc))
     if bar is not None:
         bar.close()
-    n = doc_offsets[-1]
-    if n < max(dims, 2):
-        raise DatastoreError(f"corpus too small: {n} keys for {dims} PCA dims")
+    return doc_offsets, n_tokens
 
+
+def _reduce_keys(work: str, n: int, hidden_size: int, fit: dict, opts: _BuildOptions) -> None:
+    """Pass 2: the reduced keys (``keys.npy``), the values (``values.npy``)
+    and, if asked, the raw keys, block by block; the scratch files go."""
+    raw_path, val_path = os.path.join(work, _RAW_KEYS), os.path.join(work, _RAW_VALUES)
     raw = np.memmap(raw_path, dtype=np.float32, mode="r", shape=(n, hidden_size))
-    values_raw = np.memmap(val_path, dtype=np.int32, mode="r", shape=(n, n_next))
-
-    # ---- z-norm + PCA ------------------------------------------------------
-    fit = fit_transform(raw, dims, max_sample, seed=seed, progress=progress)
-    np.save(os.path.join(work, "zscore_mean.npy"), fit["mean"])
-    np.save(os.path.join(work, "zscore_std.npy"), fit["std"])
-    np.save(os.path.join(work, "pca_components.npy"), fit["components"])
-    np.save(os.path.join(work, "pca_explained_variance.npy"), fit["explained_variance"])
-
-    # ---- pass 2: reduced keys, values, offsets ------------------------------
+    values_raw = np.memmap(val_path, dtype=np.int32, mode="r", shape=(n, opts.n_next))
     chunk_rows = max(1024, (1 << 26) // (4 * hidden_size))  # ~64 MiB of raw keys
     keys = np.lib.format.open_memmap(os.path.join(work, "keys.npy"), mode="w+",
-                                     dtype=np.float32, shape=(n, dims))
+                                     dtype=np.float32, shape=(n, opts.dims))
     vals = np.lib.format.open_memmap(os.path.join(work, "values.npy"), mode="w+",
-                                     dtype=np.int32, shape=(n, n_next))
+                                     dtype=np.int32, shape=(n, opts.n_next))
     rawk = (np.lib.format.open_memmap(os.path.join(work, "raw_keys.npy"), mode="w+",
                                       dtype=np.float32, shape=(n, hidden_size))
-            if keep_raw_keys else None)
-    for s in _tq(range(0, n, chunk_rows), progress, "reducing keys", math.ceil(n / chunk_rows)):
+            if opts.keep_raw_keys else None)
+    for s in _tq(range(0, n, chunk_rows), opts.progress, "reducing keys",
+                 math.ceil(n / chunk_rows)):
         block = np.asarray(raw[s : s + chunk_rows])
         keys[s : s + len(block)] = transform_hidden(block, fit["mean"], fit["std"],
                                                     fit["components"])
@@ -536,30 +608,44 @@ def _build_into(work: str, *, model: str, corpus, n_next, dims, max_sample, chun
     for arr in (keys, vals, rawk):
         if arr is not None:
             arr.flush()
-    del raw, values_raw, rawk, vals
+    del raw, values_raw, rawk, vals, keys
     os.remove(raw_path)
     os.remove(val_path)
-    np.save(os.path.join(work, "doc_offsets.npy"), np.asarray(doc_offsets, dtype=np.int64))
 
-    # ---- ScaNN --------------------------------------------------------------
-    plan = plan_index(n, index, reorder)
+
+def _build_index(work: str, n: int, opts: _BuildOptions) -> tuple[IndexPlan, float]:
+    """The ScaNN index over ``keys.npy``, serialized to ``scann/``; returns
+    its plan and build seconds."""
+    plan = plan_index(n, opts.index, opts.reorder)
     t_idx = time.time()
     keys_mem = np.ascontiguousarray(np.load(os.path.join(work, "keys.npy")))
-    del keys
     searcher = _build_searcher(keys_mem, plan, num_neighbors=min(32, n))
     scann_dir = os.path.join(work, "scann")
     os.makedirs(scann_dir)
     searcher.serialize(scann_dir, relative_path=True)
-    index_seconds = time.time() - t_idx
-    del searcher, keys_mem
+    return plan, time.time() - t_idx
 
-    # ---- manifest ------------------------------------------------------------
+
+def _file_hashes(work: str) -> dict[str, dict]:
+    """Every file under ``work``: its sha256 and size."""
     files = {}
     for root, _, names in os.walk(work):
         for name in sorted(names):
             p = os.path.join(root, name)
-            rel = os.path.relpath(p, work)
-            files[rel] = {"sha256": _sha256_file(p), "bytes": os.path.getsize(p)}
+            files[os.path.relpath(p, work)] = {"sha256": _sha256_file(p),
+                                                "bytes": os.path.getsize(p)}
+    return files
+
+
+def _manifest(work: str, cfg, tok, opts: _BuildOptions, fit: dict, plan: IndexPlan,
+              counts: dict, *, t_start: float, index_seconds: float) -> dict:
+    """The store's manifest (``MANIFEST_FILE``): format, model, transform,
+    counts, index, build options and the files' hashes."""
+    import torch
+
+    model = opts.model
+    hidden_size, vocab_size = int(getattr(cfg, "hidden_size")), int(cfg.vocab_size)
+    files = _file_hashes(work)
     cfg_path = os.path.join(model, "config.json")
     manifest = {
         "format": FORMAT,
@@ -574,46 +660,33 @@ def _build_into(work: str, *, model: str, corpus, n_next, dims, max_sample, chun
             "config_sha256": _sha256_file(cfg_path) if os.path.isfile(cfg_path) else None,
             "hidden_size": hidden_size,
             "vocab_size": vocab_size,
-            "dtype": _DTYPES[dtype],
+            "dtype": _DTYPES[opts.dtype],
         },
         "tokenizer_hash": tokenizer_fingerprint(tok),
         "hidden_size": hidden_size,
         "vocab_size": vocab_size,
-        "dims": dims,
-        "n_next": n_next,
+        "dims": opts.dims,
+        "n_next": opts.n_next,
         "transform": {
             "zscore_eps": ZSCORE_EPS,
             "l2_eps": L2_EPS,
             "pca_explained_variance_ratio": float(fit["explained_variance_ratio_sum"]),
             "hidden": "last hidden state (LM head input, after the final norm)",
         },
-        "counts": {
-            "docs": len(doc_offsets) - 1,
-            "docs_skipped": skipped,
-            "tokens": n_tokens,
-            "keys": n,
-            "sample": int(fit["sample_size"]),
-            "in_distribution_responses": len(responses),
-        },
+        "counts": counts,
         "index": plan.to_dict(),
         "build_options": {
-            "corpus": os.path.abspath(corpus) if corpus else None,
-            "in_distribution": os.path.abspath(in_distribution) if in_distribution else None,
-            "max_new_tokens": max_new_tokens if in_distribution else None,
-            "n_next": n_next, "dims": dims, "max_sample": max_sample,
-            "chunk_tokens": chunk_tokens, "max_doc_tokens": max_doc_tokens, "dtype": dtype,
-            "txt_docs": txt_docs, "index": index, "reorder": reorder,
-            "keep_raw_keys": keep_raw_keys, "seed": seed,
+            "corpus": os.path.abspath(opts.corpus) if opts.corpus else None,
+            "in_distribution": (os.path.abspath(opts.in_distribution)
+                                if opts.in_distribution else None),
+            "max_new_tokens": opts.max_new_tokens if opts.in_distribution else None,
+            "n_next": opts.n_next, "dims": opts.dims, "max_sample": opts.max_sample,
+            "chunk_tokens": opts.chunk_tokens, "max_doc_tokens": opts.max_doc_tokens,
+            "dtype": opts.dtype, "txt_docs": opts.txt_docs, "index": opts.index,
+            "reorder": opts.reorder, "keep_raw_keys": opts.keep_raw_keys, "seed": opts.seed,
             "num_threads": torch.get_num_threads(),
         },
         "files": files,
     }
     manifest["total_bytes"] = sum(f["bytes"] for f in files.values())
-    tmp = os.path.join(work, MANIFEST_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, os.path.join(work, MANIFEST_FILE))
     return manifest
-
-

@@ -33,11 +33,20 @@ reference, which recomputes the whole prefix per call) does not have:
   before children), emitted depth-first with the best child first, so the
   best path is the first path. A static mode expands a rank template
   (:class:`~vllm_specplug.sources.template.TreeTemplate`) instead.
+* **Memory**: a state holds ``2 * kv_heads * head_dim`` values a position
+  (:attr:`Eagle3Runtime.row_bytes`; 1.5 KiB for the reference model's
+  float32 head). A state grows by doubling up to ``max_request_tokens``
+  positions, and all states together take at most ``max_kv_bytes``; a
+  request whose state would pass either stops drafting with the head until
+  it ends (its state freed, counted as ``kv_capped``), and is verified
+  as plain decoding. The prefix store holds at most ``store_tokens``
+  positions (:attr:`Eagle3Runtime.store_bytes_max`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import time
@@ -54,10 +63,15 @@ from vllm_specplug.sources.template import TreeTemplate
 from vllm_specplug.engine.stats import ema
 from vllm_specplug.engine.tree import DraftTree
 
+logger = logging.getLogger(__name__)
+
 BLOCK = 16
 """Granularity of the prefix store; divides vLLM's block sizes (16, 128)."""
 
 SOURCE = "eagle3"
+
+INITIAL_POSITIONS = 256
+"""Positions a new request's state is allocated with (it doubles from there)."""
 
 LEVEL_JUMP = 2.0
 """Largest factor one measured drafting level may count against the
@@ -101,6 +115,9 @@ class RuntimeStats:
     stopped_cost: int = 0
     """Requests that stopped deepening because the next level was worth
     less than its head pass (``draft(token_seconds=...)``)."""
+    kv_capped: int = 0
+    """Requests that stopped drafting because their state would have grown
+    past ``max_request_tokens`` or all states past ``max_kv_bytes``."""
 
 
 def _kv_layout(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,18 +157,33 @@ def _attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor, t
 class Eagle3Runtime:
     """Per-request head state plus batched tree drafting (see module doc)."""
 
-    def __init__(self, head: Eagle3Draft, store_tokens: int = 1 << 16) -> None:
+    def __init__(self, head: Eagle3Draft, store_tokens: int = 1 << 16,
+                 max_request_tokens: int | None = None,
+                 max_kv_bytes: int | None = None) -> None:
+        """``max_request_tokens``: positions one request's state may hold;
+        ``max_kv_bytes``: what all states together may take (None: no cap).
+        ``store_tokens``: positions the prefix store keeps."""
         self.head = head.eval()
         attn = head.midlayer.self_attn
         self.nkv, self.hd = attn.nkv, attn.hd
         self.scale = 1.0 / math.sqrt(attn.hd)
         p = next(head.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.row_bytes = 2 * self.nkv * self.hd * p.element_size()
+        """Bytes of one position's K and V."""
+        self.max_request_tokens = max_request_tokens
+        self.max_kv_bytes = max_kv_bytes
+        self.kv_bytes = 0
+        """What every state's K/V buffers take now (allocated, not filled)."""
+        self._caps_logged: set[str] = set()
         self.states: dict[str, _State] = {}
         self.store: OrderedDict[tuple[bytes, int], tuple[torch.Tensor, torch.Tensor]] = \
             OrderedDict()
         self._key = os.urandom(32)  # the store's hash key: this process's only
         self.store_blocks = max(0, store_tokens // BLOCK)
+        self.store_bytes_max = self.store_blocks * BLOCK * self.row_bytes
+        """The most the prefix store takes (its entries are ``BLOCK``
+        positions each, at most ``store_blocks`` of them)."""
         self.stats = RuntimeStats()
         self.level_seconds: float | None = None
         """One drafting level's time (EMA; logits + top-k + a head pass),
@@ -178,6 +210,8 @@ class Eagle3Runtime:
         aux = torch.randn(rows, width, generator=g) * 0.1
         rid = "__specplug_warm_up__"
         saved, self.stats = self.stats, RuntimeStats()
+        caps = self.max_request_tokens, self.max_kv_bytes
+        self.max_request_tokens = self.max_kv_bytes = None  # a throw-away state
         try:
             self.add(rid)
             self.extend([(rid, 0, tokens, aux)])
@@ -188,6 +222,7 @@ class Eagle3Runtime:
             self.remove(rid)
             self.store.clear()  # its blocks (before serving, nothing else is there)
             self.stats = saved
+            self.max_request_tokens, self.max_kv_bytes = caps
 
     def _observe_level(self, seconds: float) -> None:
         """One drafting level's time into ``level_seconds``: a sample counts
@@ -200,10 +235,13 @@ class Eagle3Runtime:
         self.level_seconds = ema(old, seconds, 0.2)
 
     def add(self, req_id: str) -> None:
-        self.states[req_id] = self._new_state(256)
+        self.remove(req_id)
+        self.states[req_id] = self._new_state()
 
     def remove(self, req_id: str) -> None:
-        self.states.pop(req_id, None)
+        st = self.states.pop(req_id, None)
+        if st is not None:
+            self.kv_bytes -= self._held(st)
 
     def bind(self, req_id: str, tenant: str | None) -> None:
         """The request's tenant (``StepRequest.tenant``), before its rows
@@ -219,26 +257,78 @@ class Eagle3Runtime:
         elif st.tenant != tenant:
             st.tenant, st.seed = None, None
 
-    def _new_state(self, cap: int) -> _State:
-        z = torch.empty(cap, self.nkv, self.hd, device=self.device, dtype=self.dtype)
-        return _State(k=z, v=torch.empty_like(z))
+    def _new_state(self) -> _State:
+        """An empty state, its first positions allocated within the caps
+        (none when the other states take every byte ``max_kv_bytes``
+        allows: it grows, or gives up, when rows arrive)."""
+        st = _State(k=self._buffer(0), v=self._buffer(0))
+        cap = INITIAL_POSITIONS
+        if self.max_request_tokens is not None:
+            cap = min(cap, self.max_request_tokens)
+        if self.max_kv_bytes is None or self.kv_bytes + cap * self.row_bytes <= self.max_kv_bytes:
+            self._resize(st, cap)
+        return st
 
     def _state(self, req_id: str) -> _State:
         st = self.states.get(req_id)
         if st is None:
-            st = self.states[req_id] = self._new_state(256)
+            st = self.states[req_id] = self._new_state()
         return st
 
-    def _reserve(self, st: _State, n: int) -> None:
-        cap = st.k.shape[0]
-        if n <= cap:
-            return
-        new = max(n, 2 * cap)
+    def _buffer(self, positions: int) -> torch.Tensor:
+        return torch.empty(positions, self.nkv, self.hd, device=self.device, dtype=self.dtype)
+
+    def _held(self, st: _State) -> int:
+        return st.k.shape[0] * self.row_bytes
+
+    def _resize(self, st: _State, positions: int) -> None:
+        """Reallocate the state's buffers to ``positions``, keeping its rows."""
+        self.kv_bytes += (positions - st.k.shape[0]) * self.row_bytes
         for name in ("k", "v"):
             old = getattr(st, name)
-            buf = torch.empty(new, *old.shape[1:], device=old.device, dtype=old.dtype)
+            buf = self._buffer(positions)
             buf[: st.n] = old[: st.n]
             setattr(st, name, buf)
+
+    def _reserve(self, st: _State, n: int) -> bool:
+        """Room for ``n`` positions (doubling, within the caps). False when
+        the caps leave none: the state gave up (see ``_give_up``)."""
+        cap = st.k.shape[0]
+        if n <= cap:
+            return True
+        limit = self.max_request_tokens
+        if limit is not None and n > limit:
+            self._give_up(st, "max_request_tokens", f"{limit} positions for one request")
+            return False
+        new = max(n, 2 * cap) if limit is None else min(max(n, 2 * cap), limit)
+        room = None if self.max_kv_bytes is None else self.max_kv_bytes - self.kv_bytes
+        if room is not None and (new - cap) * self.row_bytes > room:
+            new = n  # no doubling: only what the rows need
+            if (new - cap) * self.row_bytes > room:
+                self._give_up(st, "max_kv_bytes",
+                              f"{self.max_kv_bytes / 2**20:.0f} MiB for every request")
+                return False
+        self._resize(st, new)
+        return True
+
+    def _break(self, st: _State) -> None:
+        """The request drafts nothing with the head until it ends: its
+        state's memory is freed now."""
+        self.kv_bytes -= self._held(st)
+        st.k, st.v = self._buffer(0), self._buffer(0)
+        st.n, st.out, st.broken = 0, None, True
+        st.hashes.clear()
+
+    def _give_up(self, st: _State, cap: str, what: str) -> None:
+        """The state would pass a memory cap: ``_break`` it (the request is
+        verified as plain decoding from now on), counted and logged once."""
+        self._break(st)
+        self.stats.kv_capped += 1
+        if cap not in self._caps_logged:
+            self._caps_logged.add(cap)
+            logger.warning("specplug: the EAGLE-3 head's K/V reached its cap (%s = %s); "
+                           "requests past it decode without head drafts (counted as "
+                           "kv_capped; logged once)", cap, what)
 
     def ready(self, req_id: str, num_tokens: int) -> bool:
         """The state covers the ``num_tokens - 1`` positions a draft after
@@ -248,6 +338,11 @@ class Eagle3Runtime:
                 and st.n == num_tokens - 1)
 
     # ------------------------------------------------------------ prefix store
+    @property
+    def store_bytes(self) -> int:
+        """What the prefix store's entries take now."""
+        return len(self.store) * BLOCK * self.row_bytes
+
     def _digest(self, data: bytes) -> bytes:
         return hashlib.blake2b(data, key=self._key, digest_size=16).digest()
 
@@ -284,7 +379,6 @@ class Eagle3Runtime:
             return False
         if st.n % BLOCK or upto % BLOCK or st.n != len(st.hashes) * BLOCK:
             return False
-        self._reserve(st, upto)
         while st.n < upto:
             j = st.n // BLOCK
             key = self._block_key(st, j, tokens)
@@ -316,14 +410,15 @@ class Eagle3Runtime:
                 st.n = pos
                 del st.hashes[pos // BLOCK:]
                 st.out = None
+            if not self._reserve(st, pos + n):
+                continue
             if st.n < pos:
                 if self._fill_from_store(st, pos, tokens):
                     self.stats.store_hits += 1
                 else:
-                    st.broken = True
+                    self._break(st)
                     self.stats.store_misses += 1
                     continue
-            self._reserve(st, pos + n)
             work.append((st, pos, n, tokens, aux))
         if not work:
             return
@@ -426,125 +521,195 @@ class Eagle3Runtime:
         Exact early stop: a node never scores above its parent, so once a
         request's best frontier score is no better than the ``need``-th best
         candidate it already has, nothing deeper can enter its tree."""
-        h, dev = self.head, self.device
-        bsz = len(sts)
+        ctx = self._context(sts)
+        levels = None if template is None else _template_levels(template)
+        max_depth = depth if template is None else template.depth
+        width = topk if template is None else template.max_rank + 1
+        front = _Frontier.at_root(sts, self.device)
+        toks, scores, parents = [], [], []  # per depth [B, m]
+        timed = self.device.type == "cpu"
+        for d in range(1, max_depth + 1):
+            t_level = time.perf_counter() if timed else 0.0
+            kids = self._children(front, levels, d, width, topk)
+            toks.append(kids.tok)
+            scores.append(kids.score.masked_fill(~front.alive[:, None], float("-inf")))
+            parents.append(kids.par)
+            if d == max_depth or kids.nxt.shape[1] == 0:
+                break
+            if not self._keep_deepening(front.alive, need, scores, kids.nxt_score, d, hook,
+                                        token_seconds):
+                break
+            self._head_pass(front, ctx, d, kids)
+            if timed:
+                self._observe_level(time.perf_counter() - t_level)
+        return _candidates(toks, scores, parents)
+
+    def _context(self, sts: list[_State]) -> _Context:
+        """The requests' states as one padded key set, laid out once for
+        every level's attention (see ``_kv_layout``)."""
+        dev = self.device
         n_ctx = torch.tensor([st.n for st in sts], device=dev)
         smax = int(n_ctx.max())
-        if bsz == 1:  # no padding needed: lay the state out directly
+        if len(sts) == 1:  # no padding needed: lay the state out directly
             ctx_k, ctx_v = sts[0].k[None, :smax], sts[0].v[None, :smax]
         else:
-            ctx_k = torch.zeros(bsz, smax, self.nkv, self.hd, device=dev, dtype=self.dtype)
+            ctx_k = torch.zeros(len(sts), smax, self.nkv, self.hd, device=dev,
+                                dtype=self.dtype)
             ctx_v = torch.zeros_like(ctx_k)
             for b, st in enumerate(sts):
                 ctx_k[b, :st.n] = st.k[:st.n]
                 ctx_v[b, :st.n] = st.v[:st.n]
-        # laid out once for every level's attention (see _kv_layout)
         ctx_k, ctx_v = (x.contiguous() for x in _kv_layout(ctx_k, ctx_v))
-        ctx_mask = (torch.arange(smax, device=dev)[None, :] < n_ctx[:, None])[:, None, :]
-        root_out = torch.stack([st.out for st in sts])[:, None]  # [B, 1, H]
-        levels = None if template is None else _template_levels(template)
-        max_depth = depth if template is None else template.depth
-        width = topk if template is None else template.max_rank + 1
+        mask = (torch.arange(smax, device=dev)[None, :] < n_ctx[:, None])[:, None, :]
+        return _Context(ctx_k, ctx_v, mask, n_ctx)
 
-        toks, scores, parents = [], [], []  # per depth [B, m]
-        # frontier: rows about to be expanded, their outputs' parent rows
-        front_out = root_out
-        front_score = torch.zeros(bsz, 1, device=dev)
-        front_cand = torch.full((bsz, 1), -1, dtype=torch.long, device=dev)  # candidate index
-        tree_k = tree_v = anc = None
-        alive = torch.ones(bsz, dtype=torch.bool, device=dev)
-        n_cand = 0
-        timed = dev.type == "cpu"
-        for d in range(1, max_depth + 1):
-            t_level = time.perf_counter() if timed else 0.0
-            # children of the frontier (rows whose output is front_out)
-            logp = self._logp(front_out)  # [B, m, Vd]
-            vals, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [B, m, w]
-            cum = front_score[..., None] + vals
-            m = front_out.shape[1]
-            if levels is None:
-                c_par = front_cand[..., None].expand(-1, -1, vals.shape[-1]).reshape(bsz, -1)
-                c_tok = self._to_target(ids).reshape(bsz, -1)
-                c_score = cum.reshape(bsz, -1)
-                # next frontier: the best `topk` children overall (EAGLE-2)
-                nxt_score, nxt = c_score.topk(min(topk, c_score.shape[1]), dim=-1)
-                nxt_row = nxt // vals.shape[-1]
-            else:
-                rows, ranks, expand_rows = levels[d - 1]
-                c_par = front_cand[:, rows]
-                c_tok = self._to_target(ids[:, rows, ranks])
-                c_score = cum[:, rows, ranks]
-                nxt = torch.as_tensor(expand_rows, device=dev).expand(bsz, -1)
-                nxt_score = c_score[:, nxt[0]] if len(expand_rows) else c_score[:, :0]
-                nxt_row = torch.as_tensor(rows, device=dev)[nxt] if len(expand_rows) else nxt
-            c_score = c_score.masked_fill(~alive[:, None], float("-inf"))
-            toks.append(c_tok)
-            scores.append(c_score)
-            parents.append(c_par)
-            if d == max_depth or nxt.shape[1] == 0:
-                break
-            have = torch.cat(scores, dim=1)
-            kth = have.topk(min(have.shape[1], int(need.max())), dim=-1).values
-            kth = kth.gather(1, (need.clamp(max=kth.shape[1]) - 1)[:, None])[:, 0]
-            full = need <= have.shape[1]
-            alive &= ~(full & (nxt_score.max(dim=-1).values <= kth))
-            if not bool(alive.any()):
-                break
-            if hook is not None:
-                keep = hook(d, nxt_score)
-                if keep is not None:
-                    stop = alive & ~keep.to(dev)
-                    self.stats.stopped_early += int(stop.sum())
-                    alive &= keep.to(dev)
-                    if not bool(alive.any()):
-                        break
-            if token_seconds is not None:
-                # cost-aware depth: a level costs level_seconds, shared by
-                # the live requests; the next level adds at most its best
-                # frontier node's probability in accepted tokens
-                share = self.level_seconds / max(1, int(alive.sum()))
-                gain = nxt_score.max(dim=-1).values.exp() * token_seconds
-                stop = alive & (token_seconds > 0) & (gain < share)
-                if bool(stop.any()):
-                    self.stats.stopped_cost += int(stop.sum())
-                    alive &= ~stop
-                    if not bool(alive.any()):
-                        break
-            # one head pass over the next frontier's rows
-            f_tok = c_tok.gather(1, nxt)
-            f_hid = front_out.gather(1, nxt_row[..., None].expand(-1, -1, front_out.shape[-1]))
-            k_new = nxt.shape[1]
-            pos = (n_ctx[:, None] + (d - 1)).expand(-1, k_new).reshape(-1)
-            q, k, v = h._qkv(f_tok.reshape(-1), f_hid.reshape(bsz * k_new, -1), pos)
-            q = q.view(bsz, k_new, *q.shape[1:])
-            k = k.view(bsz, k_new, *k.shape[1:])
-            v = v.view(bsz, k_new, *v.shape[1:])
-            eye = torch.eye(k_new, dtype=torch.bool, device=dev).expand(bsz, -1, -1)
-            if anc is None:
-                anc = eye
-                tree_k, tree_v = k, v
-            else:
-                # a frontier row sees its parent's ancestors and itself
-                par_anc = anc.gather(1, nxt_row[..., None].expand(-1, -1, anc.shape[-1]))
-                anc = torch.cat([par_anc, eye], dim=-1)
-                tree_k = torch.cat([tree_k, k], dim=1)
-                tree_v = torch.cat([tree_v, v], dim=1)
-            att = _attend(q, [(ctx_k, ctx_v, ctx_mask.expand(-1, k_new, -1)),
-                              (*_kv_layout(tree_k, tree_v), anc)], self.scale)
-            front_out = h._post(att.reshape(bsz * k_new, *att.shape[2:]),
-                                f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
-            self.stats.head_rows += int(alive.sum()) * k_new
-            self.stats.head_passes += 1
-            if timed:
-                self._observe_level(time.perf_counter() - t_level)
-            front_score = nxt_score
-            front_cand = nxt + n_cand
-            n_cand += c_tok.shape[1]
-        depth_of = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(toks)], dim=1)
-        return {"tokens": torch.cat(toks, 1).cpu().numpy(),
-                "scores": torch.cat(scores, 1).cpu(),
-                "parents": torch.cat(parents, 1).cpu().numpy(),
-                "depths": depth_of.cpu().numpy()}
+    def _children(self, front: _Frontier, levels: list | None, d: int, width: int,
+                  topk: int) -> _Children:
+        """Depth ``d``'s candidates (the children of the frontier) and which
+        of them form the next frontier: the best ``topk`` overall (EAGLE-2),
+        or the template's nodes that have children."""
+        bsz = front.out.shape[0]
+        logp = self._logp(front.out)  # [B, m, Vd]
+        vals, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [B, m, w]
+        cum = front.score[..., None] + vals
+        if levels is None:
+            par = front.cand[..., None].expand(-1, -1, vals.shape[-1]).reshape(bsz, -1)
+            tok = self._to_target(ids).reshape(bsz, -1)
+            score = cum.reshape(bsz, -1)
+            nxt_score, nxt = score.topk(min(topk, score.shape[1]), dim=-1)
+            return _Children(tok, score, par, nxt, nxt_score, nxt // vals.shape[-1])
+        rows, ranks, expand_rows = levels[d - 1]
+        par = front.cand[:, rows]
+        tok = self._to_target(ids[:, rows, ranks])
+        score = cum[:, rows, ranks]
+        nxt = torch.as_tensor(expand_rows, device=self.device).expand(bsz, -1)
+        nxt_score = score[:, nxt[0]] if len(expand_rows) else score[:, :0]
+        nxt_row = torch.as_tensor(rows, device=self.device)[nxt] if len(expand_rows) else nxt
+        return _Children(tok, score, par, nxt, nxt_score, nxt_row)
+
+    def _keep_deepening(self, alive: torch.Tensor, need: torch.Tensor,
+                        scores: list[torch.Tensor], nxt_score: torch.Tensor, d: int,
+                        hook: DepthHook | None, token_seconds: torch.Tensor | None) -> bool:
+        """Stop the requests that need no deeper level (``alive`` is updated
+        in place), in order: the exact early stop, the depth hook, the
+        cost-aware depth. False once none is left (later stops are not
+        asked then)."""
+        have = torch.cat(scores, dim=1)
+        kth = have.topk(min(have.shape[1], int(need.max())), dim=-1).values
+        kth = kth.gather(1, (need.clamp(max=kth.shape[1]) - 1)[:, None])[:, 0]
+        full = need <= have.shape[1]
+        alive &= ~(full & (nxt_score.max(dim=-1).values <= kth))
+        if not bool(alive.any()):
+            return False
+        if hook is not None:
+            keep = hook(d, nxt_score)
+            if keep is not None:
+                stop = alive & ~keep.to(self.device)
+                self.stats.stopped_early += int(stop.sum())
+                alive &= keep.to(self.device)
+                if not bool(alive.any()):
+                    return False
+        if token_seconds is not None:
+            # cost-aware depth: a level costs level_seconds, shared by the
+            # live requests; the next level adds at most its best frontier
+            # node's probability in accepted tokens
+            share = self.level_seconds / max(1, int(alive.sum()))
+            gain = nxt_score.max(dim=-1).values.exp() * token_seconds
+            stop = alive & (token_seconds > 0) & (gain < share)
+            if bool(stop.any()):
+                self.stats.stopped_cost += int(stop.sum())
+                alive &= ~stop
+                if not bool(alive.any()):
+                    return False
+        return True
+
+    def _head_pass(self, front: _Frontier, ctx: _Context, d: int, kids: _Children) -> None:
+        """One head pass over the next frontier's rows: each attends to its
+        request's context and to its own ancestors in the tree; ``front``
+        moves on to them."""
+        h, dev = self.head, self.device
+        bsz, k_new = kids.nxt.shape
+        f_tok = kids.tok.gather(1, kids.nxt)
+        out = front.out
+        f_hid = out.gather(1, kids.nxt_row[..., None].expand(-1, -1, out.shape[-1]))
+        pos = (ctx.n[:, None] + (d - 1)).expand(-1, k_new).reshape(-1)
+        q, k, v = h._qkv(f_tok.reshape(-1), f_hid.reshape(bsz * k_new, -1), pos)
+        q = q.view(bsz, k_new, *q.shape[1:])
+        k = k.view(bsz, k_new, *k.shape[1:])
+        v = v.view(bsz, k_new, *v.shape[1:])
+        eye = torch.eye(k_new, dtype=torch.bool, device=dev).expand(bsz, -1, -1)
+        if front.anc is None:
+            front.anc, front.tree_k, front.tree_v = eye, k, v
+        else:
+            # a frontier row sees its parent's ancestors and itself
+            par_anc = front.anc.gather(
+                1, kids.nxt_row[..., None].expand(-1, -1, front.anc.shape[-1]))
+            front.anc = torch.cat([par_anc, eye], dim=-1)
+            front.tree_k = torch.cat([front.tree_k, k], dim=1)
+            front.tree_v = torch.cat([front.tree_v, v], dim=1)
+        att = _attend(q, [(ctx.k, ctx.v, ctx.mask.expand(-1, k_new, -1)),
+                          (*_kv_layout(front.tree_k, front.tree_v), front.anc)], self.scale)
+        front.out = h._post(att.reshape(bsz * k_new, *att.shape[2:]),
+                            f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
+        self.stats.head_rows += int(front.alive.sum()) * k_new
+        self.stats.head_passes += 1
+        front.score = kids.nxt_score
+        front.cand = kids.nxt + front.n_cand
+        front.n_cand += kids.tok.shape[1]
+
+
+@dataclass
+class _Context:
+    """Every drafting request's state as one padded key set."""
+
+    k: torch.Tensor  # k^T [B, nkv, hd, S]
+    v: torch.Tensor  # [B, nkv, S, hd]
+    mask: torch.Tensor  # [B, 1, S]: the positions each request has
+    n: torch.Tensor  # [B] positions per request
+
+
+@dataclass
+class _Frontier:
+    """The rows about to be expanded, and the tree drafted so far."""
+
+    out: torch.Tensor  # [B, m, H] their head outputs
+    score: torch.Tensor  # [B, m] cumulative log-probabilities
+    cand: torch.Tensor  # [B, m] their candidate index (-1: the root)
+    alive: torch.Tensor  # [B] requests still deepening
+    tree_k: torch.Tensor | None = None  # tree rows' K/V, [B, rows, nkv, hd]
+    tree_v: torch.Tensor | None = None
+    anc: torch.Tensor | None = None  # [B, m, rows]: which tree rows a row sees
+    n_cand: int = 0  # candidates before this frontier's children
+
+    @classmethod
+    def at_root(cls, sts: list[_State], device: torch.device) -> _Frontier:
+        bsz = len(sts)
+        return cls(out=torch.stack([st.out for st in sts])[:, None],
+                   score=torch.zeros(bsz, 1, device=device),
+                   cand=torch.full((bsz, 1), -1, dtype=torch.long, device=device),
+                   alive=torch.ones(bsz, dtype=torch.bool, device=device))
+
+
+@dataclass
+class _Children:
+    """One depth's candidates ``[B, c]`` and the next frontier ``[B, k]``."""
+
+    tok: torch.Tensor  # target token ids
+    score: torch.Tensor  # cumulative log-probabilities
+    par: torch.Tensor  # parent candidate index (-1: the root)
+    nxt: torch.Tensor  # which candidates are expanded next
+    nxt_score: torch.Tensor
+    nxt_row: torch.Tensor  # their parents' frontier rows
+
+
+def _candidates(toks: list[torch.Tensor], scores: list[torch.Tensor],
+                parents: list[torch.Tensor]) -> dict:
+    """Per-depth candidates as ``[B, C]`` arrays in depth order."""
+    depth_of = torch.cat([torch.full_like(t, i + 1) for i, t in enumerate(toks)], dim=1)
+    return {"tokens": torch.cat(toks, 1).cpu().numpy(),
+            "scores": torch.cat(scores, 1).cpu(),
+            "parents": torch.cat(parents, 1).cpu().numpy(),
+            "depths": depth_of.cpu().numpy()}
 
 
 def _template_levels(template: TreeTemplate) -> list[tuple[list[int], list[int], list[int]]]:

@@ -343,83 +343,180 @@ class TrainConfig:
     """Show a progress bar."""
 
 
+@dataclass
+class _Run:
+    """One training run's state: what ``train``'s steps share."""
+
+    tc: TrainConfig
+    out_dir: str
+    ckpt: str
+    """Resumable state file."""
+    target: str
+    tcfg: dict[str, Any]
+    """The target's config."""
+    manifest: dict[str, Any]
+    """The data folder's manifest."""
+    train_set: list
+    eval_set: list
+    cfg: dict[str, Any]
+    """The head's config."""
+    coverage: float | None
+    """Share of response tokens the draft vocabulary holds."""
+    init_meta: dict[str, Any] | None
+    """The starting head's record (``TrainConfig.init_from``)."""
+    model: Any
+    opt: Any
+    params: list
+    """The trained parameters (the embedding is frozen)."""
+    kw: dict[str, Any]
+    """``sample_forward``/``evaluate`` arguments."""
+    total: int
+    """Updates the run is to reach."""
+    update: int
+    history: dict[str, list]
+    resumed: bool
+    """Started from a checkpoint (its history holds the first evaluation)."""
+
+
 def train(data_dir: str, out_dir: str, tc: TrainConfig | None = None) -> dict[str, Any]:
     """Train (or resume) a head on the data folder ``data_dir`` into
     ``out_dir``; returns the final metrics."""
     tc = tc or TrainConfig()
     import torch
-    from tqdm import tqdm
-
-    from vllm_specplug.eagle3 import TARGET_MATCH_KEYS, target_config
-    from vllm_specplug.eagle3.data import ShardData, token_counts
-    from vllm_specplug.eagle3.model import (TRAIN_META_NAME, Eagle3Draft, build_head_config,
-                                             load_head, save_head, vocab_mapping)
 
     if tc.threads:
         torch.set_num_threads(tc.threads)
     if tc.loss not in ("kl", "ce"):
         raise ValueError("loss must be 'kl' or 'ce'")
     t_start = time.time()
+    run = _start_run(data_dir, out_dir, tc)
+    if not run.resumed and run.eval_set:
+        run.history["eval"].append({"update": 0, **evaluate(run.model, run.eval_set, **run.kw)})
+        _log(f"eval @0: {_fmt(run.history['eval'][-1])}")
+    _train_loop(run, t_start)
+    ev = _save(run, final=run.update >= run.total)
+    _log(f"saved head to {out_dir} at update {run.update}/{run.total}"
+         + (f"; eval: {_fmt(ev)}" if ev else ""))
+    return {"update": run.update, "total": run.total, "eval": ev, "history": run.history}
+
+
+def _start_run(data_dir: str, out_dir: str, tc: TrainConfig) -> _Run:
+    """Load the data and the target, then resume the checkpoint, start from
+    ``init_from`` or start fresh."""
+    import torch
+
+    from vllm_specplug.eagle3 import target_config
+    from vllm_specplug.eagle3.data import ShardData
+    from vllm_specplug.eagle3.model import load_head
+
     data = ShardData(data_dir, max_shards=tc.max_shards)
     man = data.manifest
     target = tc.target or man["target"]
     tcfg = target_config(target)
-    vocab = int(tcfg["vocab_size"])
-    samples = list(data.samples)
-    rng = random.Random(tc.seed)
-    order = list(range(len(samples)))
-    rng.shuffle(order)
-    n_eval = min(tc.eval_samples, max(0, len(samples) // 5))
-    eval_set = [samples[i] for i in order[:n_eval]]
-    train_set = [samples[i] for i in order[n_eval:]]
+    eval_set, train_set = _split_samples(list(data.samples), tc)
     if not train_set:
         raise ValueError(f"no training samples in {data_dir}")
     tw = load_target_weights(target)
-
-    ckpt_dir = tc.checkpoint_dir or os.path.join(out_dir, "checkpoint")
-    ckpt = os.path.join(ckpt_dir, "state.pt")
+    ckpt = os.path.join(tc.checkpoint_dir or os.path.join(out_dir, "checkpoint"), "state.pt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False) if os.path.exists(ckpt) else None
-
     init = None
     if state is None and tc.init_from:
         init = load_head(tc.init_from, tw["embed"])
         _check_init_head(init.cfg, tcfg, tuple(man["aux_layers"]), tc.init_from)
-
-    # draft vocabulary
+    d2t, t2d, cfg, coverage = _draft_vocab(tc, state, init, train_set, tcfg,
+                                           tuple(man["aux_layers"]))
+    model, draft_rows = _build_model(tc, cfg, tw, d2t, t2d, int(tcfg["vocab_size"]), state, init)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
     if state is not None:
-        d2t, t2d = state["d2t"], state["t2d"]
-        cfg = state["config"]
-        coverage = state.get("vocab_coverage")
-    elif init is not None:
-        d2t, t2d, cfg = init.d2t, init.t2d, dict(init.cfg)
-        coverage = _coverage(token_counts(train_set, vocab), init.t2d)
-    else:
-        vd = vocab if not tc.draft_vocab_size or tc.draft_vocab_size >= vocab else int(tc.draft_vocab_size)
-        counts = token_counts(train_set, vocab)
-        all_counts = token_counts(train_set, vocab, response_only=False)
-        if vd < vocab:
-            # response-token frequency first; ties (notably unseen tokens) by
-            # frequency in the whole samples (prompts too), then by id
-            key = counts.double() * (int(all_counts.max()) + 1) + all_counts.double()
-            top = torch.argsort(key, descending=True, stable=True)[:vd]
-            used = top.tolist()
-            specials: list[int] = []
-            for special in (tcfg.get("eos_token_id"), tcfg.get("bos_token_id")):
-                specials += [int(x) for x in (special if isinstance(special, list) else [special])
-                             if x is not None]
-            missing = [sp for sp in dict.fromkeys(specials) if sp not in set(used)]
-            if missing:  # end-of-turn tokens always stay draftable
-                used = used[:vd - len(missing)] + missing
-            coverage = _coverage(counts, torch.tensor(used))
-        else:
-            used = list(range(vocab))
-            coverage = 1.0
-        d2t, t2d = vocab_mapping(used, vocab)
-        cfg = build_head_config(tcfg, tuple(man["aux_layers"]), len(set(used)),
-                                intermediate_size=tc.intermediate_size, dtype=tc.head_dtype)
+        opt.load_state_dict(state["optimizer"])
+    updates_per_epoch = math.ceil(len(train_set) / tc.batch_size)
+    total = tc.max_updates if tc.max_updates is not None else max(1, int(tc.epochs * updates_per_epoch))
+    weights = [tc.step_weight ** k for k in range(tc.ttt_steps)]
+    kw = dict(steps=tc.ttt_steps, loss=tc.loss, target_head=tw["lm_head"], draft_rows=draft_rows,
+              max_len=tc.max_len, weights=weights)
+    run = _Run(tc=tc, out_dir=out_dir, ckpt=ckpt, target=target, tcfg=tcfg, manifest=man,
+               train_set=train_set, eval_set=eval_set, cfg=cfg, coverage=coverage,
+               init_meta=state.get("init_from") if state else
+               _head_record(tc.init_from) if init else None,
+               model=model, opt=opt, params=params, kw=kw, total=total,
+               update=state["update"] if state else 0,
+               history=state["history"] if state else {"train": [], "eval": []},
+               resumed=state is not None)
+    n_params = sum(p.numel() for p in model.parameters())
+    _log(f"{len(train_set)} train / {len(eval_set)} eval samples; draft vocab "
+         f"{cfg['draft_vocab_size']} (covers {coverage:.1%} of response tokens); "
+         f"{n_params / 1e6:.2f}M params; {total} updates of {tc.batch_size} samples; "
+         f"start at update {run.update}")
+    return run
+
+
+def _split_samples(samples: list, tc: TrainConfig) -> tuple[list, list]:
+    """Held-out and training samples, by a seeded shuffle (at most a fifth
+    held out)."""
+    order = list(range(len(samples)))
+    random.Random(tc.seed).shuffle(order)
+    n_eval = min(tc.eval_samples, max(0, len(samples) // 5))
+    return [samples[i] for i in order[:n_eval]], [samples[i] for i in order[n_eval:]]
+
+
+def _draft_vocab(tc: TrainConfig, state, init, train_set, tcfg: dict[str, Any],
+                 aux: tuple[int, ...]):
+    """``(d2t, t2d, head config, coverage)``: the checkpoint's, the starting
+    head's, or a fresh draft vocabulary picked from the training samples."""
+    from vllm_specplug.eagle3.data import token_counts
+    from vllm_specplug.eagle3.model import build_head_config, vocab_mapping
+
+    vocab = int(tcfg["vocab_size"])
+    if state is not None:
+        return state["d2t"], state["t2d"], state["config"], state.get("vocab_coverage")
+    if init is not None:
+        return init.d2t, init.t2d, dict(init.cfg), _coverage(token_counts(train_set, vocab), init.t2d)
+    used, coverage = _pick_draft_tokens(tc, train_set, tcfg)
+    d2t, t2d = vocab_mapping(used, vocab)
+    cfg = build_head_config(tcfg, aux, len(set(used)),
+                            intermediate_size=tc.intermediate_size, dtype=tc.head_dtype)
+    return d2t, t2d, cfg, coverage
+
+
+def _pick_draft_tokens(tc: TrainConfig, train_set, tcfg: dict[str, Any]) -> tuple[list[int], float]:
+    """The draft vocabulary's target token ids (``draft_vocab_size`` most
+    frequent response tokens, end-of-turn tokens always in) and the share of
+    response tokens they cover."""
+    import torch
+
+    from vllm_specplug.eagle3.data import token_counts
+
+    vocab = int(tcfg["vocab_size"])
+    vd = vocab if not tc.draft_vocab_size or tc.draft_vocab_size >= vocab else int(tc.draft_vocab_size)
+    if vd >= vocab:
+        return list(range(vocab)), 1.0
+    counts = token_counts(train_set, vocab)
+    all_counts = token_counts(train_set, vocab, response_only=False)
+    # response-token frequency first; ties (notably unseen tokens) by
+    # frequency in the whole samples (prompts too), then by id
+    key = counts.double() * (int(all_counts.max()) + 1) + all_counts.double()
+    used = torch.argsort(key, descending=True, stable=True)[:vd].tolist()
+    specials: list[int] = []
+    for special in (tcfg.get("eos_token_id"), tcfg.get("bos_token_id")):
+        specials += [int(x) for x in (special if isinstance(special, list) else [special])
+                     if x is not None]
+    missing = [sp for sp in dict.fromkeys(specials) if sp not in set(used)]
+    if missing:  # end-of-turn tokens always stay draftable
+        used = used[:vd - len(missing)] + missing
+    return used, _coverage(counts, torch.tensor(used))
+
+
+def _build_model(tc: TrainConfig, cfg, tw, d2t, t2d, vocab: int, state, init):
+    """The head, with the checkpoint's, the starting head's or the target's
+    weights, and the target ``lm_head`` rows of its draft vocabulary."""
+    import torch
+
+    from vllm_specplug.eagle3.model import Eagle3Draft
+
     torch.manual_seed(tc.seed)
-    model = Eagle3Draft(cfg, tw["embed"], d2t if cfg["draft_vocab_size"] != vocab else None,
-                        t2d if cfg["draft_vocab_size"] != vocab else None)
+    partial = cfg["draft_vocab_size"] != vocab
+    model = Eagle3Draft(cfg, tw["embed"], d2t if partial else None, t2d if partial else None)
     draft_rows = tw["lm_head"][(torch.arange(cfg["draft_vocab_size"]) + model.d2t).long()]
     if state is not None:
         model.load_state_dict(state["model"])
@@ -427,105 +524,122 @@ def train(data_dir: str, out_dir: str, tc: TrainConfig | None = None) -> dict[st
         model.load_state_dict(init.state_dict())
     else:
         model.init_from_target(tw["lm_head"], tw["norm"])
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-    updates_per_epoch = math.ceil(len(train_set) / tc.batch_size)
-    total = tc.max_updates if tc.max_updates is not None else max(1, int(tc.epochs * updates_per_epoch))
-    update = state["update"] if state else 0
-    history = state["history"] if state else {"train": [], "eval": []}
-    weights = [tc.step_weight ** k for k in range(tc.ttt_steps)]
-    kw = dict(steps=tc.ttt_steps, loss=tc.loss, target_head=tw["lm_head"], draft_rows=draft_rows,
-              max_len=tc.max_len, weights=weights)
-    n_params = sum(p.numel() for p in model.parameters())
-    _log(f"{len(train_set)} train / {len(eval_set)} eval samples; draft vocab "
-         f"{cfg['draft_vocab_size']} (covers {coverage:.1%} of response tokens); "
-         f"{n_params / 1e6:.2f}M params; {total} updates of {tc.batch_size} samples; "
-         f"start at update {update}")
+    return model, draft_rows
 
-    init_meta = state.get("init_from") if state else _head_record(tc.init_from) if init else None
 
-    def save(final: bool = False) -> dict[str, Any]:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        ev = evaluate(model, eval_set, **kw) if eval_set else {}
-        if ev:
-            history["eval"].append({"update": update, **ev})
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "update": update, "history": history, "config": cfg, "d2t": model.d2t,
-                    "t2d": model.t2d, "vocab_coverage": coverage, "init_from": init_meta},
-                   ckpt + ".tmp")
-        os.replace(ckpt + ".tmp", ckpt)
-        meta = {
-            "target": os.path.basename(os.path.normpath(target)),
-            "target_config": {k: tcfg.get(k) for k in TARGET_MATCH_KEYS},
-            "data": {k: man.get(k) for k in ("num_prompts", "num_samples", "num_tokens",
-                                             "num_response_tokens", "max_new_tokens",
-                                             "temperature", "aux_layers")},
-            "train": {"updates": update, "total_updates": total, "batch_size": tc.batch_size,
-                      "ttt_steps": tc.ttt_steps, "step_weight": tc.step_weight, "loss": tc.loss,
-                      "lr": tc.lr, "draft_vocab_size": cfg["draft_vocab_size"],
-                      "vocab_coverage": coverage, "train_samples": len(train_set),
-                      "eval_samples": len(eval_set), "init_from": init_meta},
-            "eval": ev, "final": final,
-        }
-        save_head(model, out_dir, dtype=tc.head_dtype, extra_meta=meta)
-        with open(os.path.join(out_dir, "curves.json.tmp"), "w", encoding="utf-8") as f:
-            json.dump(history, f)
-        os.replace(os.path.join(out_dir, "curves.json.tmp"), os.path.join(out_dir, "curves.json"))
-        plot_curves(history, os.path.join(out_dir, "curves.png"))
-        return ev
+def _train_loop(run: _Run, t_start: float) -> None:
+    """Updates until ``run.total`` or the time budget, logging, evaluating
+    and checkpointing on the way."""
+    from tqdm import tqdm
 
-    if state is None and eval_set:
-        history["eval"].append({"update": 0, **evaluate(model, eval_set, **kw)})
-        _log(f"eval @0: {_fmt(history['eval'][-1])}")
-    model.train()
+    tc = run.tc
+    run.model.train()
     # deterministic per-epoch order, resumable at any update
-    bar = tqdm(total=total, initial=update, desc="train", unit="upd", disable=not tc.progress)
+    bar = tqdm(total=run.total, initial=run.update, desc="train", unit="upd",
+               disable=not tc.progress)
     window: list[dict] = [dict() for _ in range(tc.ttt_steps)]
     t_win = time.time()
-    while update < total:
-        epoch, pos = divmod(update * tc.batch_size, len(train_set))
-        perm = list(range(len(train_set)))
-        random.Random(tc.seed * 1000 + epoch).shuffle(perm)
-        batch = [train_set[i] for i in perm[pos:pos + tc.batch_size]]
-        counts = [_count_positions(s, tc.ttt_steps, tc.loss, model, tw["lm_head"], draft_rows, tc.max_len)
-                  for s in batch]
-        norms = [float(sum(c[k] for c in counts)) for k in range(tc.ttt_steps)]
-        cur_lr = _lr_at(update, total, tc.warmup, tc.lr)
-        for g in opt.param_groups:
-            g["lr"] = cur_lr
-        opt.zero_grad(set_to_none=True)
-        for s in batch:
-            lossv, st = sample_forward(model, s, norms=norms, train=True, **kw)
-            if lossv is not None:
-                lossv.backward()
-            _merge(window, st)
-        torch.nn.utils.clip_grad_norm_(params, tc.clip)
-        opt.step()
-        update += 1
+    while run.update < run.total:
+        cur_lr = _one_update(run, window)
         bar.update(1)
-        if update % tc.log_every == 0 or update == total:
-            sm = _summary(window, weights)
-            dt = (time.time() - t_win) / tc.log_every
-            history["train"].append({"update": update, "epoch": update * tc.batch_size / len(train_set),
-                                     "lr": cur_lr, "sec_per_update": dt, **sm})
-            bar.set_postfix(loss=f"{sm['loss']:.3f}", acc0=f"{sm['acc_k'][0]:.2f}",
-                            tau4=f"{sm.get('est_accept_len@4', float('nan')):.2f}")
+        if run.update % tc.log_every == 0 or run.update == run.total:
+            _log_window(run, window, cur_lr, (time.time() - t_win) / tc.log_every, bar)
             window = [dict() for _ in range(tc.ttt_steps)]
             t_win = time.time()
-        if update % tc.save_every == 0 and update < total:
-            ev = save()
+        if run.update % tc.save_every == 0 and run.update < run.total:
+            ev = _save(run)
             if ev:
-                _log(f"eval @{update}: {_fmt(ev)}")
-            model.train()
+                _log(f"eval @{run.update}: {_fmt(ev)}")
+            run.model.train()
         if tc.max_minutes is not None and (time.time() - t_start) / 60 > tc.max_minutes:
-            _log(f"time budget reached at update {update}; saving (resume by rerunning)")
+            _log(f"time budget reached at update {run.update}; saving (resume by rerunning)")
             break
     bar.close()
-    ev = save(final=update >= total)
-    _log(f"saved head to {out_dir} at update {update}/{total}" + (f"; eval: {_fmt(ev)}" if ev else ""))
-    return {"update": update, "total": total, "eval": ev, "history": history}
+
+
+def _one_update(run: _Run, window: list[dict]) -> float:
+    """One optimizer update on the next batch of the epoch's seeded order;
+    its per-step stats go into ``window``. Returns the learning rate used."""
+    import torch
+
+    tc, model = run.tc, run.model
+    epoch, pos = divmod(run.update * tc.batch_size, len(run.train_set))
+    perm = list(range(len(run.train_set)))
+    random.Random(tc.seed * 1000 + epoch).shuffle(perm)
+    batch = [run.train_set[i] for i in perm[pos:pos + tc.batch_size]]
+    counts = [_count_positions(s, tc.ttt_steps, tc.loss, model, run.kw["target_head"],
+                               run.kw["draft_rows"], tc.max_len) for s in batch]
+    norms = [float(sum(c[k] for c in counts)) for k in range(tc.ttt_steps)]
+    cur_lr = _lr_at(run.update, run.total, tc.warmup, tc.lr)
+    for g in run.opt.param_groups:
+        g["lr"] = cur_lr
+    run.opt.zero_grad(set_to_none=True)
+    for s in batch:
+        lossv, st = sample_forward(model, s, norms=norms, train=True, **run.kw)
+        if lossv is not None:
+            lossv.backward()
+        _merge(window, st)
+    torch.nn.utils.clip_grad_norm_(run.params, tc.clip)
+    run.opt.step()
+    run.update += 1
+    return cur_lr
+
+
+def _log_window(run: _Run, window: list[dict], cur_lr: float, sec_per_update: float,
+                bar) -> None:
+    """The last ``log_every`` updates' summary, into the history and the bar."""
+    sm = _summary(window, run.kw["weights"])
+    run.history["train"].append({"update": run.update,
+                                 "epoch": run.update * run.tc.batch_size / len(run.train_set),
+                                 "lr": cur_lr, "sec_per_update": sec_per_update, **sm})
+    bar.set_postfix(loss=f"{sm['loss']:.3f}", acc0=f"{sm['acc_k'][0]:.2f}",
+                    tau4=f"{sm.get('est_accept_len@4', float('nan')):.2f}")
+
+
+def _save(run: _Run, final: bool = False) -> dict[str, Any]:
+    """Evaluate, write the resumable state, the head and its curves;
+    returns the evaluation (empty without held-out samples)."""
+    import torch
+
+    from vllm_specplug.eagle3.model import save_head
+
+    tc, out_dir = run.tc, run.out_dir
+    os.makedirs(os.path.dirname(run.ckpt), exist_ok=True)
+    ev = evaluate(run.model, run.eval_set, **run.kw) if run.eval_set else {}
+    if ev:
+        run.history["eval"].append({"update": run.update, **ev})
+    torch.save({"model": run.model.state_dict(), "optimizer": run.opt.state_dict(),
+                "update": run.update, "history": run.history, "config": run.cfg,
+                "d2t": run.model.d2t, "t2d": run.model.t2d, "vocab_coverage": run.coverage,
+                "init_from": run.init_meta}, run.ckpt + ".tmp")
+    os.replace(run.ckpt + ".tmp", run.ckpt)
+    save_head(run.model, out_dir, dtype=tc.head_dtype, extra_meta=_train_meta(run, ev, final))
+    with open(os.path.join(out_dir, "curves.json.tmp"), "w", encoding="utf-8") as f:
+        json.dump(run.history, f)
+    os.replace(os.path.join(out_dir, "curves.json.tmp"), os.path.join(out_dir, "curves.json"))
+    plot_curves(run.history, os.path.join(out_dir, "curves.png"))
+    return ev
+
+
+def _train_meta(run: _Run, ev: dict[str, Any], final: bool) -> dict[str, Any]:
+    """The training record saved beside the head (``TRAIN_META_NAME``)."""
+    from vllm_specplug.eagle3 import TARGET_MATCH_KEYS
+
+    tc, man = run.tc, run.manifest
+    return {
+        "target": os.path.basename(os.path.normpath(run.target)),
+        "target_config": {k: run.tcfg.get(k) for k in TARGET_MATCH_KEYS},
+        "data": {k: man.get(k) for k in ("num_prompts", "num_samples", "num_tokens",
+                                         "num_response_tokens", "max_new_tokens",
+                                         "temperature", "aux_layers")},
+        "train": {"updates": run.update, "total_updates": run.total,
+                  "batch_size": tc.batch_size, "ttt_steps": tc.ttt_steps,
+                  "step_weight": tc.step_weight, "loss": tc.loss, "lr": tc.lr,
+                  "draft_vocab_size": run.cfg["draft_vocab_size"],
+                  "vocab_coverage": run.coverage, "train_samples": len(run.train_set),
+                  "eval_samples": len(run.eval_set), "init_from": run.init_meta},
+        "eval": ev, "final": final,
+    }
 
 
 def _coverage(counts, draft_ids) -> float:

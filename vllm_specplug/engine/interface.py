@@ -8,7 +8,8 @@ how vLLM orders batch rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -203,6 +204,49 @@ class ProposerStats:
     """Levels as of now (sizes, latency summaries): read as they are."""
 
 
+class DraftDeadline:
+    """The per-step time budget of a method's request-by-request lookup work
+    (``MethodConfig.max_draft_ms``).
+
+    A method that drafts request by request asks :meth:`order` for the
+    order to visit the step's requests (which also starts the clock), then
+    :meth:`allows` before each request's lookup. Once the budget is spent
+    the remaining requests are refused and counted (``skipped``); they
+    decode plainly this step, so output is unchanged. The refused requests
+    come first in the next step's order, so the same ones are not starved
+    step after step. A method's own state upkeep (syncing an index,
+    learning from the verified tokens) is not gated: only drafting is."""
+
+    def __init__(self, max_ms: float = 0.0, clock: Callable[[], float] = time.perf_counter
+                 ) -> None:
+        self.max_seconds = max(0.0, float(max_ms)) / 1000.0
+        """0: no limit."""
+        self.clock = clock
+        self.skipped = 0
+        """Request drafts refused since start-up."""
+        self._start = 0.0
+        self._starved: set[str] = set()
+        self._refused: set[str] = set()
+
+    def order(self, batch: Sequence[StepRequest]) -> list[int]:
+        """Start this step's clock; the indices of ``batch`` in the order to
+        draft them: the requests refused last step first, then the others,
+        each group in batch order."""
+        self._start = self.clock()
+        self._starved, self._refused = self._refused, set()
+        first = [i for i, r in enumerate(batch) if r.req_id in self._starved]
+        return first + [i for i, r in enumerate(batch) if r.req_id not in self._starved]
+
+    def allows(self, req_id: str) -> bool:
+        """Whether ``req_id`` may still draft this step; a refusal is
+        counted and remembered for the next step's order."""
+        if not self.max_seconds or self.clock() - self._start < self.max_seconds:
+            return True
+        self.skipped += 1
+        self._refused.add(req_id)
+        return False
+
+
 class Proposer:
     """Base class of every specplug method.
 
@@ -231,6 +275,9 @@ class Proposer:
     def __init__(self, config: MethodConfig, ctx: ProposerContext) -> None:
         self.config = config
         self.ctx = ctx
+        self.deadline = DraftDeadline(getattr(config, "max_draft_ms", 0.0))
+        """The step's drafting time budget, for methods that draft request by
+        request (``DraftDeadline``)."""
 
     def needs(self) -> Needs:
         return Needs()

@@ -23,10 +23,13 @@ per internal node from each request's own generator; ``choose_paths`` then
 walks the trees on the host. ``q`` is kept sparse (children ids and
 probabilities) until ``draft_probs_tensor`` writes vLLM's dense
 ``[path tokens, vocab]`` draft-probability input with one scatter.
+``child_probs_chunked`` makes the sampled rows' probabilities a chunk of
+whole requests at a time, so no ``[all tree rows, vocab]`` tensor exists.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,9 +59,64 @@ class ChildProbs:
     """request -> one uniform draw per parent with children, same order."""
 
 
+def request_chunks(sizes: Sequence[int], max_rows: int) -> list[list[int]]:
+    """Positions of ``sizes`` grouped in order so that each group's total
+    is at most ``max_rows`` (a single size above it makes its own group):
+    whole requests per chunk, as vLLM's per-request expansion needs."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if groups and total + n <= max_rows:
+            groups[-1].append(i)
+            total += n
+        else:
+            groups.append([i])
+            total = n
+    return groups
+
+
 def _parents(tree: DraftTree) -> list[tuple[int, list[int]]]:
     children = tree.children()
     return [(p - 1, ch) for p, ch in enumerate(children) if ch]
+
+
+def _child_cells(tree: DraftTree, toks: list[int], base: int
+                 ) -> tuple[list[int], list[int], list[tuple[int, list[int]]]]:
+    """(probability rows, token columns) of every child of every internal
+    node of one tree whose row after the root is ``base``, and its parents."""
+    parents = _parents(tree)
+    rows, cols = [], []
+    for p, ch in parents:
+        rows.extend([base + p + 1] * len(ch))
+        cols.extend(toks[c] for c in ch)
+    return rows, cols, parents
+
+
+def _gather(probs: torch.Tensor, rows: list[int], cols: list[int]) -> torch.Tensor:
+    idx = torch.as_tensor([rows, cols], dtype=torch.long).to(probs.device, non_blocking=True)
+    return probs[idx[0], idx[1]].double()
+
+
+def _uniforms(sampled, parents, device, generators) -> list[torch.Tensor]:
+    """One uniform per parent with children, from each request's own
+    generator, drawn in ``sampled`` order."""
+    return [torch.rand(len(parents[i]), device=device, generator=generators.get(i),
+                       dtype=torch.float64) for i in sampled]
+
+
+def _split(flat: list[float], sampled, parents) -> ChildProbs:
+    out_p, out_u, k = {}, {}, 0
+    for i in sampled:
+        per = []
+        for _, ch in parents[i]:
+            per.append(flat[k : k + len(ch)])
+            k += len(ch)
+        out_p[i] = per
+    for i in sampled:
+        n = len(parents[i])
+        out_u[i] = flat[k : k + n]
+        k += n
+    return ChildProbs(out_p, out_u)
 
 
 def child_probs(
@@ -75,32 +133,51 @@ def child_probs(
     (``+0``: after the root). One gather, one uniform draw per request (its
     own generator when seeded) and a single device->host copy.
     """
-    rows, cols, counts, uniforms = [], [], {}, []
+    rows, cols, parents = [], [], {}
     for i in sampled:
-        parents = _parents(trees[i])
-        counts[i] = parents
-        for p, ch in parents:
-            rows.extend([prob_base[i] + p + 1] * len(ch))
-            cols.extend(drafts[i][c] for c in ch)
-        gen = generators.get(i)
-        uniforms.append(torch.rand(len(parents), device=probs.device,
-                                   generator=gen, dtype=torch.float64))
+        r, c, parents[i] = _child_cells(trees[i], drafts[i], prob_base[i])
+        rows += r
+        cols += c
+    uniforms = _uniforms(sampled, parents, probs.device, generators)
     if not rows:
         return ChildProbs({}, {})
-    idx = torch.as_tensor([rows, cols], dtype=torch.long).to(probs.device, non_blocking=True)
-    flat = torch.cat([probs[idx[0], idx[1]].double(), *uniforms]).cpu().tolist()
-    out_p, out_u, k = {}, {}, 0
-    for i in sampled:
-        per = []
-        for _, ch in counts[i]:
-            per.append(flat[k : k + len(ch)])
-            k += len(ch)
-        out_p[i] = per
-    for i in sampled:
-        n = len(counts[i])
-        out_u[i] = flat[k : k + n]
-        k += n
-    return ChildProbs(out_p, out_u)
+    flat = torch.cat([_gather(probs, rows, cols), *uniforms]).cpu().tolist()
+    return _split(flat, sampled, parents)
+
+
+def child_probs_chunked(
+    trees: dict[int, DraftTree],
+    drafts: list[list[int]],
+    sampled: list[int],
+    row_counts: dict[int, int],
+    probs_of: Callable[[list[int]], torch.Tensor],
+    generators: dict[int, torch.Generator],
+    max_rows: int,
+) -> ChildProbs:
+    """``child_probs`` with the probabilities made a chunk of whole requests
+    at a time: ``probs_of(requests)`` gives those requests' rows
+    (``row_counts[i]`` each, in order), at most ``max_rows`` rows a chunk
+    unless one request has more. Only the gathered children outlive a
+    chunk; still one device->host copy, the same draws, the same result."""
+    parents, gathered, device = {}, [], None
+    for group in request_chunks([row_counts[i] for i in sampled], max_rows):
+        reqs = [sampled[g] for g in group]
+        rows, cols, base = [], [], 0
+        for i in reqs:
+            r, c, parents[i] = _child_cells(trees[i], drafts[i], base)
+            rows += r
+            cols += c
+            base += row_counts[i]
+        if rows:
+            probs = probs_of(reqs)
+            device = probs.device
+            gathered.append(_gather(probs, rows, cols))
+            del probs
+    if not gathered:
+        return ChildProbs({}, {})
+    uniforms = _uniforms(sampled, parents, device, generators)
+    flat = torch.cat([*gathered, *uniforms]).cpu().tolist()
+    return _split(flat, sampled, parents)
 
 
 def choose_paths(
@@ -161,7 +238,9 @@ def choose_paths(
 def draft_probs_tensor(q_rows, vocab: int, device) -> torch.Tensor:
     """vLLM's ``draft_probs [len(q_rows), vocab]``, written with one scatter.
     Negative token ids (vLLM's ``-1`` padding of fully cached prompts) get a
-    zero row: no draft, so a rejection resamples from ``p`` itself."""
+    zero row: no draft, so a rejection resamples from ``p`` itself. Not
+    chunked (vLLM's rejection sampler takes it whole): its size is part of
+    the profile run's reservation (``runner/memory.step_items``)."""
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []

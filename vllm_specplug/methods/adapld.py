@@ -137,6 +137,12 @@ class AdaPLDConfig(MethodConfig):
     """Most candidates reranked per retrieval: the most recent lexical
     matches, or the most similar (then most recent) semantic ones. Bounds
     the per-step cost; the paper reranks all."""
+    max_lookup_tokens: int = Field(default=65536, ge=16)
+    """Most recent tokens of the context the longest-suffix match searches
+    (one vectorised scan per key length, so a step's cost grows with the
+    context up to this); an earlier occurrence is not found. Candidate
+    retrieval and successors search the request's memory
+    (``memory_max_positions``) and rerank at most ``max_candidates``."""
     branch_width: int = Field(default=4, ge=0, le=64)
     """Top-k of the target's distribution after the anchor that branch
     tokens come from (k, Eq. 10); the main path's first token is removed, so
@@ -316,15 +322,18 @@ class AdaPLDProposer(Proposer):
         self._vocabs.pop(req_id, None)
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
-        out: list[DraftTree | None] = []
-        for req in batch:
+        out: list[DraftTree | None] = [None] * len(batch)
+        for i in self.deadline.order(batch):
+            req = batch[i]
             mem = self.memories.get(req.req_id)
             mem.update(req.token_ids, req.verified_pos, req.layer_hidden,
                        req.topk_ids, req.topk_probs, req.topk_offset)
             self._feedback(req)
             # budget 0: the cost-aware gate (or the context's end) asks for
-            # no draft; the memory above is still kept up to date
-            out.append(self._draft(req, mem) if req.sampled and req.budget > 0 else None)
+            # no draft, as does the step's spent time budget; the memory
+            # above is still kept up to date
+            if req.sampled and req.budget > 0 and self.deadline.allows(req.req_id):
+                out[i] = self._draft(req, mem)
         return out
 
     # -------------------------------------------------------------- drafting
@@ -400,7 +409,9 @@ class AdaPLDProposer(Proposer):
         room = req.budget
         toks = req.token_ids
         vocab = self._vocab_of(req.req_id)
-        n, begins = match(toks, 1, cfg.lexical_ngram)
+        skip = max(0, len(toks) - cfg.max_lookup_tokens)
+        n, begins = match(toks[skip:], 1, cfg.lexical_ngram)
+        begins = [skip + b for b in begins]
         if n >= 2 or (n == 1 and not cfg.rerank_single):
             # pld's pick: its chain is our main path, so on copy steps the
             # tree holds at least what pld would draft.
@@ -562,7 +573,8 @@ class AdaPLDProposer(Proposer):
     def stats(self) -> ProposerStats:
         """Retrieval and acceptance counters; the memory's size."""
         live = set(self.memories._mems) | set(self._pending) | set(self._vocabs)
-        return ProposerStats(counters=dict(self.counters), gauges={
+        counters = {**self.counters, "deadline_skips": self.deadline.skipped}
+        return ProposerStats(counters=counters, gauges={
             "live_memories": len(self.memories), "live_requests": len(live),
             "memory_bytes": self.memories.nbytes, **self.copy.snapshot(),
             "branch_calibration": round(self.branch_calib.value, 4),

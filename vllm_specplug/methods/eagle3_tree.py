@@ -12,6 +12,7 @@ same runtime (its per-depth hook and the per-node scores of its trees).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Literal
@@ -31,11 +32,16 @@ from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.sources.template import TreeTemplate, parse_level_counts
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm_specplug.eagle3.runtime import DepthHook
 
+logger = logging.getLogger(__name__)
 
 HELD_BYTES = 16 << 20
 """Memory a gated request's held rows may take by default (``max_held_rows``)."""
+
+MIB = 1 << 20
 
 
 def default_held_rows(n_aux: int, hidden_size: int) -> int:
@@ -72,12 +78,37 @@ class Eagle3TreeConfig(MethodConfig):
     (2427 for the reference model: enough to hold a ~1200-token
     summarization prompt while the gate is closed, which a bound of 1024
     would feed whole)."""
+    max_total_held_mib: int | None = Field(default=512, ge=0)
+    """Memory the held rows of all requests together may take (MiB; each
+    request's own bound is ``max_held_rows``). Past it, a gated request's
+    rows are fed to the head at once instead of held: a head pass more,
+    never a different token (counted as ``held_fed_at_cap``). Held rows
+    live on the engine's device. None: no bound across requests."""
+    max_request_kv_tokens: int | None = Field(default=None, ge=1)
+    """Head K/V positions one request may hold (``2 * kv_heads *
+    head_dim`` values a position: 1.5 KiB for the reference model's float32
+    head, 4 KiB for an 8-KV-head, 128-dim bfloat16 head). A request whose
+    context passes it stops drafting with the head until it ends (its K/V
+    freed; verified as plain decoding, counted as ``kv_capped``). None: no
+    bound of its own (a state holds the request's context, allocated by
+    doubling: under ``2 * max_model_len`` positions)."""
+    max_total_kv_mib: int | None = Field(default=2048, ge=0)
+    """Memory the head K/V of all running requests together may take
+    (MiB, on the engine's device; the prefix store is apart, see
+    ``prefix_store_tokens``). A request whose K/V would not fit stops
+    drafting with the head until it ends, as with
+    ``max_request_kv_tokens``. 2048 MiB hold 1.4 M positions of the
+    reference model's head, 512 k of a 4 KiB-per-position head. None: no
+    bound."""
     prefix_store_tokens: int = Field(default=1 << 16, ge=0)
     """Head K/V positions kept (LRU, by token prefix) for prompt blocks vLLM
     serves from its prefix cache; a request whose cached prefix is not in the
     store drafts nothing (counted as ``store_misses``). A block is served
     only to requests of the tenant that stored it (``isolation``); requests
-    without a tenant (isolation ``strict``) neither store nor fill."""
+    without a tenant (isolation ``strict``) neither store nor fill. Memory,
+    on the engine's device: this many positions of head K/V (see
+    ``max_request_kv_tokens``): 96 MiB for the reference model's head at
+    the default, 256 MiB for a 4 KiB-per-position head."""
 
     @field_validator("template")
     @classmethod
@@ -134,7 +165,11 @@ class Eagle3TreeProposer(Proposer):
         head = head.to(ctx.device)
         if ctx.prepare_linears is not None:
             ctx.prepare_linears(head)  # the engine's GEMM kernels: 3-4x on CPU
-        self.runtime = Eagle3Runtime(head, config.prefix_store_tokens)
+        self.runtime = Eagle3Runtime(
+            head, config.prefix_store_tokens,
+            max_request_tokens=config.max_request_kv_tokens,
+            max_kv_bytes=None if config.max_total_kv_mib is None
+            else config.max_total_kv_mib * MIB)
         self.runtime.warm_up(config.depth, config.topk)
         self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
@@ -144,6 +179,12 @@ class Eagle3TreeProposer(Proposer):
         self._deferred: dict[str, tuple[int, list[torch.Tensor], int]] = {}
         self.max_held_rows = (config.max_held_rows if config.max_held_rows is not None
                               else default_held_rows(len(self.aux_layers), ctx.hidden_size))
+        self.max_held_bytes = (None if config.max_total_held_mib is None
+                               else config.max_total_held_mib * MIB)
+        self.held_bytes = 0
+        """What every request's held rows take now."""
+        self.held_fed_at_cap = 0
+        self._held_cap_logged = False
 
     def needs(self) -> Needs:
         return Needs(aux_layers=self.aux_layers)
@@ -153,7 +194,30 @@ class Eagle3TreeProposer(Proposer):
 
     def remove_request(self, req_id: str) -> None:
         self.runtime.remove(req_id)
-        self._deferred.pop(req_id, None)
+        self._release(req_id)
+
+    def _release(self, req_id: str) -> tuple[int, list[torch.Tensor], int] | None:
+        """Take the request's held rows out of the bookkeeping."""
+        held = self._deferred.pop(req_id, None)
+        if held is not None:
+            self.held_bytes -= _nbytes(held[1])
+        return held
+
+    def _may_hold(self, chunks: list[torch.Tensor], n_rows: int) -> bool:
+        """Rows may be held within both bounds (one request's, all
+        requests'); past the second the cap is counted and logged once."""
+        if n_rows > self.max_held_rows:
+            return False
+        if self.max_held_bytes is None or self.held_bytes + _nbytes(chunks) <= self.max_held_bytes:
+            return True
+        self.held_fed_at_cap += 1
+        if not self._held_cap_logged:
+            self._held_cap_logged = True
+            logger.warning("specplug: held rows of all requests reached max_total_held_mib="
+                           "%d; gated requests' rows are fed to the head at once "
+                           "(counted as held_fed_at_cap; logged once)",
+                           self.config.max_total_held_mib)
+        return False
 
     def propose(self, batch: list[StepRequest],
                 drafting: list[bool] | None = None) -> list[DraftTree | None]:
@@ -175,7 +239,7 @@ class Eagle3TreeProposer(Proposer):
             if r.aux_hidden is None:
                 continue
             pos, chunks, n_rows = r.verified_pos, [r.aux_hidden], int(r.aux_hidden.shape[0])
-            first, held, n_held = self._deferred.pop(r.req_id, (pos, [], 0))
+            first, held, n_held = self._release(r.req_id) or (pos, [], 0)
             if pos == first + n_held:
                 # the usual case: this step's rows follow the held ones
                 pos, chunks, n_rows = first, held + chunks, n_held + n_rows
@@ -192,7 +256,7 @@ class Eagle3TreeProposer(Proposer):
             # (a gap: the held rows are dropped; the runtime fills gaps from
             # its prefix store or stops drafting for the request)
             no_draft = r.budget <= 0 if r.sampled else not r.drafting
-            if no_draft and n_rows <= self.max_held_rows:
+            if no_draft and self._may_hold(chunks, n_rows):
                 # No draft asked this step (the cost-aware gate, or the
                 # context's end), or a prompt chunk while the gate is closed:
                 # hold the rows and feed them, in one batched pass, when a
@@ -207,6 +271,7 @@ class Eagle3TreeProposer(Proposer):
                 # would keep every request's rows of the step alive.
                 chunks[-1] = chunks[-1].clone()
                 self._deferred[r.req_id] = (pos, chunks, n_rows)
+                self.held_bytes += _nbytes(chunks)
                 continue
             aux = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             items.append((r.req_id, pos, r.token_ids, aux))
@@ -244,10 +309,14 @@ class Eagle3TreeProposer(Proposer):
                       "draft_head_passes": s.head_passes,
                       "draft_steps": self._steps, "stopped_cost": s.stopped_cost,
                       "store_hits": s.store_hits,
-                      "store_misses": s.store_misses},
+                      "store_misses": s.store_misses, "kv_capped": s.kv_capped,
+                      "held_fed_at_cap": self.held_fed_at_cap},
             gauges={"head": os.path.basename(os.path.normpath(self.head_dir)),
                     "extend": self._extend_time.as_ms(), "draft": self._draft_time.as_ms(),
-                    "live_requests": len(self.runtime.states)})
+                    "live_requests": len(self.runtime.states),
+                    "head_kv_bytes": self.runtime.kv_bytes,
+                    "prefix_store_bytes": self.runtime.store_bytes,
+                    "held_bytes": self.held_bytes})
 
     @classmethod
     def rates(cls, counters: dict[str, int]) -> dict[str, float]:
@@ -258,3 +327,7 @@ class Eagle3TreeProposer(Proposer):
             return {}
         return {"head_rows_per_step": counters.get("draft_head_rows", 0) / steps,
                 "head_passes_per_step": counters.get("draft_head_passes", 0) / steps}
+
+
+def _nbytes(chunks: list[torch.Tensor]) -> int:
+    return sum(c.numel() * c.element_size() for c in chunks)

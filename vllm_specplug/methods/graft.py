@@ -89,6 +89,13 @@ class GraftConfig(Eagle3TreeConfig):
     at the default 64. A request without a tenant (isolation ``strict``)
     learns in a table of its own while it runs. An evicted tenant starts
     again from the start-up table."""
+    max_request_tables: int | None = Field(default=256, ge=0)
+    """Running requests without a tenant (isolation ``strict``) that may
+    hold an adjacency table of their own, each ``vocab * adjacency_topk``
+    int32: 384 MiB for the reference model at the default. A request that
+    starts while all are taken drafts with the head alone (no retrieval
+    branch) until a table is freed (counted as ``tables_refused``). None:
+    no bound."""
     ablation: Literal["none", "no_retrieval", "no_pruning"] = "none"
     """Fig. 5's ablations: ``no_retrieval`` prunes but leaves the freed slots
     empty; ``no_pruning`` never stops the head and always uses the split of
@@ -182,7 +189,8 @@ class GraftProposer(Eagle3TreeProposer):
         k = config.adjacency_topk
         self.adjacency = AdjacencyDrafter(self._initial_table(config, ctx),
                                           TreeTemplate.from_spec("default", k),
-                                          max_tenants=config.max_tenants)
+                                          max_tenants=config.max_tenants,
+                                          max_request_tables=config.max_request_tables)
         self.stage_templates = config.build_stage_templates()
         n = len(config.checkpoints)
         self.stage_steps = [0] * (n + 1)  # pruned at checkpoint i; last: never pruned
@@ -278,6 +286,7 @@ class GraftProposer(Eagle3TreeProposer):
         s.counters.update({f"nodes_{k}": v for k, v in self.tree_nodes.items()})
         s.gauges["graft"] = self._graft_time.as_ms()
         s.gauges["adjacency_tenants"] = self.adjacency.num_tenants
+        s.counters["tables_refused"] = self.adjacency.tables_refused
         s.gauges["thresholds"] = list(self.config.thresholds)
         return s
 

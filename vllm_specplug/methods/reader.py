@@ -58,6 +58,20 @@ class ReaderConfig(Eagle3TreeConfig):
     d_deep: int = Field(default=4, ge=0, le=64)
     """Depth of the deepening path under the depth-2 node of the best draft
     path (0: none; the paper enables it at small batches only)."""
+    max_lookup_rows: int = Field(default=16384, ge=2)
+    """Most datastore rows one lookup reads. A key with more matches (a
+    short, common one) is read at this many evenly spaced rows; a
+    continuation's count is still exact when it follows the key at least
+    ``matches / (max_lookup_rows - 1)`` times, and rarer ones are left out
+    (``TokenSuffixArray.next_token_counts``). Bounds a step's search cost:
+    up to ``d_search + d_deep`` lookups per request."""
+    max_context_occurrences: int = Field(default=4096, ge=1)
+    """Most occurrences of a key in the request's own tokens one lookup
+    counts: the most recent ones."""
+    index_max_tokens: int = Field(default=32768, ge=64)
+    """Most recent tokens of a request that its own-token index holds
+    (``sources/context_index``: about 1 KB per token at ``l_suffix`` 6);
+    older ones are dropped, and the search no longer finds them."""
     context_weight: float = Field(default=1.0, gt=0.0)
     """Weight of a count from the request's own tokens against one from the
     datastore when the union is ranked (the paper: 1, plain frequency)."""
@@ -105,9 +119,13 @@ def _open_store(path: str, vocab_size: int, tokenizer: str | None,
 
 def search_path(context: Sequence[int], depth: int, l_suffix: int,
                 index: ContextIndex | None, store: TokenSuffixArray | None,
-                context_weight: float = 1.0) -> tuple[list[int], list[float]]:
+                context_weight: float = 1.0, max_rows: int | None = None,
+                max_occurrences: int | None = None) -> tuple[list[int], list[float]]:
     """READER's SearchPath (Alg. 2): up to ``depth`` tokens continuing
     ``context``, and each one's share of its level's counts (a confidence).
+    ``max_rows`` / ``max_occurrences`` bound one lookup's work in the
+    store / the index (``ReaderConfig.max_lookup_rows``,
+    ``max_context_occurrences``).
 
     ``index`` must hold keys of ``l_suffix`` tokens (``max_n >= l_suffix``)
     and be synced to the request's history (a prefix of ``context``).
@@ -121,10 +139,10 @@ def search_path(context: Sequence[int], depth: int, l_suffix: int,
             key = ctx[len(ctx) - n:]
             counts: dict[int, float] = {}
             if index is not None:
-                for t, c in index.next_token_counts(key).items():
+                for t, c in index.next_token_counts(key, max_occurrences).items():
                     counts[t] = context_weight * c
             if store is not None:
-                ids, cnt = store.next_token_counts(key)
+                ids, cnt = store.next_token_counts(key, max_rows)
                 for t, c in zip(ids.tolist(), cnt.tolist()):
                     counts[t] = counts.get(t, 0.0) + c
             if counts:
@@ -204,16 +222,24 @@ class ReaderProposer(Eagle3TreeProposer):
 
     def add_request(self, req_id: str) -> None:
         super().add_request(req_id)
-        self.indexes[req_id] = ContextIndex(self.config.l_suffix)
+        self.indexes[req_id] = self._new_index()
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)
         self.indexes.pop(req_id, None)
 
+    def _new_index(self) -> ContextIndex:
+        return ContextIndex(self.config.l_suffix, self.config.index_max_tokens)
+
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         drafts = super().propose(batch)  # the head's best N-node trees
         t0 = time.perf_counter()
-        out = [self._merge(r, d) if r.budget > 0 else None for r, d in zip(batch, drafts)]
+        out: list[DraftTree | None] = [None] * len(batch)
+        # past the step's time budget a request keeps the head's tree alone
+        for i in self.deadline.order(batch):
+            r, d = batch[i], drafts[i]
+            if r.budget > 0:
+                out[i] = self._merge(r, d) if self.deadline.allows(r.req_id) else d
         self._search_time.add(time.perf_counter() - t0)
         return out
 
@@ -222,10 +248,11 @@ class ReaderProposer(Eagle3TreeProposer):
         cfg: ReaderConfig = self.config
         index = self.indexes.get(r.req_id)
         if index is None:
-            index = self.indexes[r.req_id] = ContextIndex(cfg.l_suffix)
+            index = self.indexes[r.req_id] = self._new_index()
         index.sync(r.token_ids)
         return search_path(context, depth, cfg.l_suffix, index, self.store,
-                           cfg.context_weight)
+                           cfg.context_weight, cfg.max_lookup_rows,
+                           cfg.max_context_occurrences)
 
     def _merge(self, r: StepRequest, draft: DraftTree | None) -> DraftTree | None:
         history = [int(t) for t in r.token_ids]
@@ -242,6 +269,7 @@ class ReaderProposer(Eagle3TreeProposer):
         nodes they added beyond the draft tree, and the search time."""
         s = super().stats()
         s.counters.update(self._counts)
+        s.counters["deadline_skips"] = self.deadline.skipped
         s.gauges["search"] = self._search_time.as_ms()
         s.gauges["datastore_tokens"] = 0 if self.store is None else len(self.store)
         return s

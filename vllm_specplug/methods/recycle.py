@@ -100,6 +100,14 @@ class RecycleConfig(MethodConfig):
     reference model at ``topk=8``, 4 MiB for a 128k vocabulary, so 96 MiB or
     256 MiB at the default 64. An evicted tenant starts again from the
     start-up table."""
+    max_request_tables: int | None = Field(default=256, ge=0)
+    """Running requests that may hold an adjacency table of their own (with
+    ``per_request_tables``, or without a tenant under isolation
+    ``strict``), each ``vocab * topk`` int32 like a tenant's: 384 MiB for
+    the reference model at the default, 1 GiB for a 128k vocabulary. A
+    request that starts while all are taken drafts only its copy path
+    until a table is freed (counted as ``tables_refused``). None: no
+    bound."""
 
     @field_validator("template")
     @classmethod
@@ -155,7 +163,7 @@ class RecycleProposer(Proposer):
         super().__init__(config, ctx)
         self.drafter = AdjacencyDrafter(
             self._initial_table(), config.build_template(ctx.num_speculative_tokens),
-            config.per_request_tables, config.max_tenants)
+            config.per_request_tables, config.max_tenants, config.max_request_tables)
         self._update_time, self._expand_time = RunningStat(), RunningStat()
         self.copy = CopyConfidence(config.copy_max_match)
         # req_id -> (history length, copy tokens in the tree, match length)
@@ -244,12 +252,14 @@ class RecycleProposer(Proposer):
 
     def stats(self) -> ProposerStats:
         """Tables held (the start-up one, the tenants', the requests' own),
-        the most-filled one's rows, and the per-step cost of the two
-        operations (the update covers every request of the step, the
-        expansion every live one)."""
+        requests refused one of their own, the most-filled table's rows, and
+        the per-step cost of the two operations (the update covers every
+        request of the step, the expansion every live one)."""
         tables = self.drafter.tables
-        return ProposerStats(gauges={
+        gauges = {
             "table_bytes": sum(t.nbytes for t in tables), "tables": len(tables),
             "tenants": self.drafter.num_tenants, "live_requests": self.drafter.num_requests,
             "filled_rows": max(t.num_filled() for t in tables), **self.copy.snapshot(),
-            "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()})
+            "update": self._update_time.as_ms(), "expand": self._expand_time.as_ms()}
+        return ProposerStats(counters={"tables_refused": self.drafter.tables_refused},
+                             gauges=gauges)

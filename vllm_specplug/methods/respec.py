@@ -78,6 +78,14 @@ class RespecConfig(Eagle3TreeConfig):
     dropped after the third (0.17)."""
     candidates: int = Field(default=3, ge=1, le=16)
     """Positions merged into one retrieval tree (paper: top-3)."""
+    max_occurrences: int = Field(default=1024, ge=1)
+    """Most earlier occurrences of the key one retrieval scores: the most
+    recent ones (a short key can occur thousands of times in a long
+    context; the paper scores all)."""
+    index_max_tokens: int = Field(default=32768, ge=16)
+    """Most recent tokens of a request that its n-gram index holds
+    (``sources/context_index``: about 0.35 KB per token at ``max_key`` 3);
+    older ones are dropped, and retrieval no longer finds them."""
     tokens_per_candidate: int = Field(default=0, ge=0, le=256)
     """Continuation length per candidate; 0 shares the step's budget among
     the selected candidates (a lone candidate gets all of it)."""
@@ -119,7 +127,7 @@ class _Req:
     """One request's retrieval state."""
 
     def __init__(self, cfg: RespecConfig) -> None:
-        self.index = ContextIndex(cfg.max_key)
+        self.index = ContextIndex(cfg.max_key, cfg.index_max_tokens)
         self.scores = PositionScores(cfg.alpha, cfg.init_score)
         self.entropy = np.full(256, np.nan)
         # the previous step's draft: (kind, history length, candidate paths)
@@ -178,19 +186,20 @@ class RespecProposer(Eagle3TreeProposer):
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         cfg: RespecConfig = self.config
-        retrieved: list[DraftTree | None] = []
-        for r in batch:
+        retrieved: list[DraftTree | None] = [None] * len(batch)
+        for i in self.deadline.order(batch):
+            r = batch[i]
             st = self.reqs.get(r.req_id)
             if st is None:
                 st = self.reqs[r.req_id] = _Req(cfg)
             st.index.sync(r.token_ids)
             st.record_entropy(r)
             self._feedback(st, r)
-            tree = None
             if r.sampled and r.budget > 0:
                 self.c["steps"] += 1
-                tree = self._retrieve(st, r)
-            retrieved.append(tree)
+                # past the step's time budget: no retrieval, the head drafts
+                if self.deadline.allows(r.req_id):
+                    retrieved[i] = self._retrieve(st, r)
         # the head extends every request's state; it drafts where retrieval did not
         drafted = super().propose(batch, [t is None for t in retrieved])
         out = []
@@ -215,12 +224,12 @@ class RespecProposer(Eagle3TreeProposer):
             if not key.fire:
                 return None
             self.c["triggered"] += 1
-            ends = st.index.ends(toks[len(toks) - key.length :])
+            ends = st.index.ends(toks[len(toks) - key.length :], limit=cfg.max_occurrences)
         else:  # ablation: the longest key that occurred before
             self.c["triggered"] += 1
             ends = []
             for k in range(min(cfg.max_key, len(toks)), 0, -1):
-                ends = st.index.ends(toks[len(toks) - k :])
+                ends = st.index.ends(toks[len(toks) - k :], limit=cfg.max_occurrences)
                 if ends:
                     break
         if not ends:
@@ -294,6 +303,7 @@ class RespecProposer(Eagle3TreeProposer):
     def stats(self) -> ProposerStats:
         s = super().stats()
         s.counters.update(self.c)
+        s.counters["deadline_skips"] = self.deadline.skipped
         s.gauges["live_requests"] = len(self.reqs)
         return s
 

@@ -37,6 +37,13 @@ class SuffixTreeConfig(MethodConfig):
     """Earlier requests whose outputs stay in the global suffix trees, all
     tenants together (FIFO: the oldest response goes first, whoever's it
     is); 0 drafts from each request's own prompt and output only."""
+    max_cached_tokens: int | None = Field(default=1 << 22, ge=0)
+    """Response tokens the global suffix trees hold, all tenants together
+    (a running request's response counts as it grows); past it the oldest
+    responses are evicted first, as with ``max_cached_requests`` (counted
+    as ``evicted_for_tokens``). The trees take about 350 bytes of host
+    memory a token, so the default 4 M tokens bound them near 1.4 GiB.
+    None: bounded by ``max_cached_requests`` alone."""
     max_tenants: int = Field(default=64, ge=1)
     """Tenants (``cache_salt`` values, plus the public pool of requests
     without one; see ``isolation``) that keep a global suffix tree of their
@@ -71,7 +78,7 @@ class SuffixTreeProposer(Proposer):
     def __init__(self, config: SuffixTreeConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)
         self.cache = TenantSuffixCaches(config.max_tree_depth, config.max_cached_requests,
-                                        config.max_tenants)
+                                        config.max_tenants, config.max_cached_tokens)
 
     def add_request(self, req_id: str) -> None:
         # a request the runner saw leave is fed again from its prompt
@@ -97,6 +104,8 @@ class SuffixTreeProposer(Proposer):
 
     def stats(self) -> ProposerStats:
         # the proposer's time is the runner's (``propose_seconds``)
-        return ProposerStats(gauges={"live_requests": self.cache.active,
+        return ProposerStats(counters={"evicted_for_tokens": self.cache.evicted_for_tokens},
+                             gauges={"live_requests": self.cache.active,
                                      "cached_responses": self.cache.cached,
+                                     "cached_tokens": self.cache.cached_tokens,
                                      "tenants": self.cache.tenants})

@@ -24,6 +24,7 @@ def check_engine_config(config, method: str) -> None:
     check_kv_cache(config.cache_config, method)
     check_model(config.model_config, method)
     check_parallel(config.parallel_config)
+    check_model_runner(config)
     check_cpu_dtype(config.model_config)
 
 
@@ -75,6 +76,32 @@ def check_parallel(parallel_config) -> None:
     if pp > 1:
         raise SpecplugConfigError(
             f"specplug does not support pipeline parallelism (pipeline_parallel_size={pp})")
+    # Context parallelism spreads a request's KV over ranks (decode: slots
+    # interleaved, non-local ones padded); the tree kernels read the whole
+    # context from the local cache, so they would attend to the wrong keys.
+    for key in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel_config, key, 1)
+        if size > 1:
+            raise SpecplugConfigError(
+                f"specplug does not support context parallelism ({key}={size})")
+    # Micro-batching splits a step's batch in two forward passes; the tree
+    # rows of one step are laid out for a single pass.
+    dbo = getattr(parallel_config, "enable_dbo", False)
+    ubatch = getattr(parallel_config, "ubatch_size", 0)
+    if dbo or ubatch > 1:
+        raise SpecplugConfigError(
+            "specplug does not support dual-batch overlap / micro-batching "
+            f"(enable_dbo={dbo}, ubatch_size={ubatch})")
+
+
+def check_model_runner(config) -> None:
+    """The specplug workers build vLLM's V1 model runner; an engine that
+    believes it runs V2 (its scheduler and input processing follow that
+    flag) would not match it."""
+    if getattr(config, "use_v2_model_runner", False):
+        raise SpecplugConfigError(
+            "specplug needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
+            "(or set it to 0)")
 
 
 def check_cpu_dtype(model_config) -> None:

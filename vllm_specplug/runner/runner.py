@@ -30,18 +30,21 @@ import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
 from vllm_specplug import registry
 from vllm_specplug.config import ADDITIONAL_CONFIG_KEY, GRAPH_KEY
-from vllm_specplug.engine.budget import BudgetController, pick_explorer
+from vllm_specplug.engine.budget import (
+    BudgetController,
+    FixedBudget,
+    make_budget,
+    pick_explorer,
+)
 from vllm_specplug.engine.interface import ProposerContext, StepRequest, draft_budget
 from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
 from vllm_specplug.engine.verify import (
-    child_probs,
     choose_paths,
     draft_probs_tensor,
     relaxed_path,
@@ -57,6 +60,10 @@ from vllm_specplug.runner.checks import (
 from vllm_specplug.runner.cpu_gemm import cpu_linear_routing, prepare_cpu_linears
 from vllm_specplug.request_flags import speculates, wants_relaxed
 from vllm_specplug.runner.guard import guard_for
+from vllm_specplug.runner import reserve
+from vllm_specplug.runner.logit_rows import entropy as _entropy
+from vllm_specplug.runner.logit_rows import log_softmax_topk, sampled_child_probs
+from vllm_specplug.runner.logit_rows import topk_probs as _topk_probs
 from vllm_specplug.tenancy import ISOLATION_SHARES, request_tenant
 from vllm_specplug.runner.tree_attention import (
     TreeAttentionWrapper,
@@ -190,19 +197,6 @@ class StepState:
     logits row -> row-in-entropies map (-1 where not computed)."""
 
 
-REFILL_STEPS = 2
-"""A new request scheduled within this many steps of a finished one, while
-requests that ran beside the finished one still run, took its place:
-requests were waiting for a slot."""
-OPEN_WORKLOAD_STEPS = 256
-"""Steps after such a refill during which the workload counts as open
-(engine/budget.BudgetController.token_values)."""
-LENGTH_BOUND_ALPHA = 0.25
-"""EMA weight of each finished request in the share that ran to their
-``max_tokens`` (starts at 1: a closed batch's tokens left are trusted
-until requests show they stop earlier)."""
-
-
 class SpecplugDrafter:
     """What vLLM's ``custom_class`` path instantiates.
 
@@ -250,28 +244,6 @@ def _num_real(tokens) -> int:
     return len(strip_speculative_padding(list(tokens)))
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of each row's softmax, in float32;
-    zero-probability (masked, ``-inf``) entries add 0."""
-    # H = log(sum e) - sum(e * z) / sum(e), e = exp(z), z = logits - max:
-    # one exp pass and no log over the vocabulary (4x faster than
-    # entr(softmax) on a 2-core CPU); z clamped so masked entries give
-    # 0 * -1e30 = 0, not nan.
-    lg = logits.float()
-    z = (lg - lg.amax(-1, keepdim=True)).clamp(min=-1e30)
-    e = z.exp()
-    s = e.sum(-1)
-    return s.log() - (e * z).sum(-1) / s
-
-
-def _topk_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` softmax probabilities and ids of each row, in float32: the
-    softmax of the top-k only (no second ``[rows, vocab]`` tensor)."""
-    lg = logits.float()
-    top, ids = lg.topk(min(k, lg.shape[-1]), dim=-1)
-    return torch.exp(top - torch.logsumexp(lg, -1, keepdim=True)), ids
-
-
 def _chain_only(sp) -> bool:
     """Sampling that vLLM's chain verifier handles with per-path context
     (penalties, bad words, logits processors, structured output...)."""
@@ -301,20 +273,11 @@ class SpecplugRunnerMixin:
         # Trees with per-node sources, by request: (tree, history length
         # when drafted), scored when the next step says what was accepted.
         self._sp_sourced: dict[str, tuple[DraftTree, int]] = {}
-        self._sp_budget: BudgetController | None = None
+        # the method's budget (engine/budget): pinned until the method loads
+        self._sp_budget: BudgetController | FixedBudget = FixedBudget()
         self._sp_step_t0: float | None = None
         self._sp_explore_turn = 0
         self._sp_side_seconds = 0.0  # this step's prompt LM-head pass (see _sp_fill_topk)
-        # Steps seen, the last one that finished a request, the last one
-        # where a new request took a finished one's place while others ran
-        # (requests were waiting: an open workload; see _sp_remaining).
-        self._sp_step_no = 0
-        self._sp_last_finish = -(1 << 30)
-        self._sp_last_refill = -(1 << 30)
-        self._sp_survivors: set[str] = set()  # running beside the last finish
-        # Share of recently finished requests that ran to max_tokens (EMA;
-        # engine/budget.BudgetController.token_values)
-        self._sp_length_bound = 1.0
         # Requests that opted out of speculation (request_flags.SPECULATE):
         # the method never sees them, they get no LM-head side work.
         self._sp_opted_out: set[str] = set()
@@ -357,8 +320,7 @@ class SpecplugRunnerMixin:
             prepare_linears=prepare_cpu_linears if self.device.type == "cpu" else None,
         )
         self._sp_proposer = cls(config, ctx)
-        if config.cost_aware:
-            self._sp_budget = BudgetController()
+        self._sp_budget = make_budget(config.cost_aware)
         self._sp_needs = self._sp_proposer.needs()
         self._sp_install_aux_capture(model)
         self._sp_install_attention()
@@ -425,12 +387,46 @@ class SpecplugRunnerMixin:
         state = self._sp_state
         return None if state is None else state.attention
 
+    def profile_run(self, *args, **kwargs) -> None:
+        """vLLM's profile run, plus the plugin's worst case inside it
+        (``runner/reserve.py``): the head's per-request state at its caps is
+        held while vLLM profiles, then the largest tree step runs, so the KV
+        cache vLLM sizes from the peak leaves room for both. CPU: the KV
+        cache is not sized by profiling (``reserve.check_host`` instead)."""
+        if self.device.type != "cuda":
+            return super().profile_run(*args, **kwargs)
+        res, state = reserve.reservation_for(self)
+        held = reserve.hold(state, self.device)
+        try:
+            super().profile_run(*args, **kwargs)
+            reserve.worst_case_step(reserve.step_shape(self), self.model.compute_logits,
+                                    self.model_config.get_hidden_size(), self.dtype,
+                                    self.rejection_sampler, self.device)
+        finally:
+            del held
+        logger.info("%s (held during vLLM's memory profiling)", res.line())
+
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         kv_cache_config = args[0] if args else kwargs.get("kv_cache_config")
         check_kv_groups(kv_cache_config)
         super().initialize_kv_cache(*args, **kwargs)
         if self.device.type == "cpu":
             self._sp_check_cpu_kv_layout()
+        elif self.device.type == "cuda":
+            self._sp_warm_up_kernels()
+
+    def _sp_warm_up_kernels(self) -> None:
+        """Compile the tree kernels before CUDA graph capture and serving,
+        not at the first tree request (``kernels/warm_up.py``)."""
+        from vllm.model_executor.layers.attention import Attention
+
+        from vllm_specplug.kernels.warm_up import warm_up_gpu_kernels
+
+        ctx = self.compilation_config.static_forward_context
+        impl = next(x.impl for x in ctx.values() if isinstance(x, Attention))
+        width = self.input_batch.block_table.block_tables[0].max_num_blocks_per_req
+        warm_up_gpu_kernels(self.kv_caches[0], impl.head_size, impl.num_heads, impl.scale,
+                            width, self.dtype)
 
     def _sp_check_cpu_kv_layout(self) -> None:
         """Prove once that ``read_context_kv`` reads what the backend writes."""
@@ -480,18 +476,10 @@ class SpecplugRunnerMixin:
         preempted = set(scheduler_output.preempted_req_ids or ())
         self._sp_stats.preempted += len(preempted)
         gone = set(scheduler_output.finished_req_ids) | preempted
-        closed = self._sp_closed_values()
-        for rid in scheduler_output.finished_req_ids if closed else ():
-            req = self.requests.get(rid)
-            max_tokens = getattr(getattr(req, "sampling_params", None), "max_tokens", None)
-            if max_tokens:
-                ran_out = len(req.output_token_ids) >= max_tokens - 1
-                self._sp_length_bound += LENGTH_BOUND_ALPHA * (ran_out - self._sp_length_bound)
         guard = guard_for(self) if prop is not None else None
         for rid in gone:
             self._sp_trees.pop(rid, None)
-            if self._sp_budget is not None:
-                self._sp_budget.forget(rid)
+            self._sp_budget.forget(rid)
             if prop is not None and not self._sp_unseen(rid):
                 # a finished request's fault adds to no streak: it is gone
                 guard.call("remove_request", lambda rid=rid: prop.remove_request(rid),
@@ -500,20 +488,17 @@ class SpecplugRunnerMixin:
             self._sp_opted_out.discard(rid)
             if guard is not None:
                 guard.forget(rid)
-        running_before = set(self.input_batch.req_ids) if closed else set()
+        for rid in [n.req_id for n in scheduler_output.scheduled_new_reqs
+                    if n.req_id in self.requests]:
+            # a streaming-input session's next chunk comes back under its id:
+            # the method state of the chunk before goes first (this chunk
+            # may opt out of speculation, and would leave it behind)
+            self._sp_trees.pop(rid, None)
+            self._sp_sourced.pop(rid, None)
+            if prop is not None and not self._sp_unseen(rid):
+                guard.call("remove_request", lambda rid=rid: prop.remove_request(rid), rid)
+            self._sp_opted_out.discard(rid)
         out = super()._update_states(scheduler_output)
-        self._sp_step_no += 1
-        # the workload is only tracked for closed-batch values
-        if closed and scheduler_output.finished_req_ids:
-            self._sp_last_finish = self._sp_step_no
-            # who still runs beside the finished: a new request next to one
-            # of them took a freed slot. (A new burst after the previous one
-            # finished whole, admitted a few prompts a step, is no refill.)
-            self._sp_survivors = running_before - gone
-        if (closed and scheduler_output.scheduled_new_reqs
-                and self._sp_step_no - self._sp_last_finish <= REFILL_STEPS
-                and not self._sp_survivors.isdisjoint(self.input_batch.req_ids)):
-            self._sp_last_refill = self._sp_step_no
         if prop is not None:
             for new in scheduler_output.scheduled_new_reqs:
                 rid = new.req_id
@@ -639,7 +624,7 @@ class SpecplugRunnerMixin:
                 out = self._sp_sample_trees(logits, spec_decode_metadata, state)
         finally:
             state.attention = None
-        if self._sp_budget is None or self._sp_budget.will_draft:
+        if self._sp_budget.will_draft:
             # Top-k and entropies only serve drafts (a method's tables and
             # triggers learn from them): a step whose gate is closed drafts
             # nothing and skips them, so a gated step costs what a plain one
@@ -669,7 +654,7 @@ class SpecplugRunnerMixin:
         where = np.full(n_rows, -1, dtype=np.int64)
         where[sel] = np.arange(len(sel))
         idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
-        state.entropy = (_entropy(logits.index_select(0, idx)), where)
+        state.entropy = (_entropy(logits, idx), where)
 
     def _sp_topk(self, logits, state: StepState) -> None:
         """Top-k probabilities of only the logits rows methods read: each
@@ -695,7 +680,7 @@ class SpecplugRunnerMixin:
         where = np.full(n_rows, -1, dtype=np.int64)
         where[sel] = np.arange(len(sel))
         idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
-        vals, ids = _topk_probs(logits.index_select(0, idx), k)
+        vals, ids = _topk_probs(logits, k, idx)
         state.topk = (ids, vals, where)
 
     def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata, state: StepState):
@@ -711,22 +696,8 @@ class SpecplugRunnerMixin:
             argmax = logits.argmax(dim=-1).tolist()
         walks = None
         if sampled:
-            # Probabilities only for the sampled tree requests' rows, under
-            # their own temperature/top-k/top-p (zero rows for the others in
-            # vLLM's per-request expansion).
-            counts = np.zeros(len(n_draft), dtype=np.int64)
-            for i in sampled:
-                counts[i] = n_draft[i] + 1
-            sel = np.concatenate([base[i] + np.arange(counts[i]) for i in sampled])
-            prob_base = dict(zip(sampled, np.cumsum(counts[sampled]) - counts[sampled]))
-            cu = torch.as_tensor(np.cumsum(counts)).to(logits.device, non_blocking=True)
-            idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
-            probs = torch.softmax(
-                apply_sampling_constraints(logits.index_select(0, idx).float(), cu, sm),
-                dim=-1)
-            walks = child_probs(state.trees, drafts, sampled, probs,
-                                {i: int(b) for i, b in prob_base.items()}, sm.generators)
-            del probs
+            walks = sampled_child_probs(logits, state.trees, drafts, sampled, n_draft,
+                                        base, sm)
         chosen = choose_paths(state.trees, drafts, base, greedy, argmax, walks)
         relaxed = {}
         if self._sp_needs.relaxed is not None:
@@ -752,8 +723,14 @@ class SpecplugRunnerMixin:
                     row = path_logits[off + k]
                     row[tok] = row.max() + 1.0
                     self._sp_stats.relaxed_tokens += 1
-        out = self.rejection_sampler(path_meta, draft_probs, path_logits, sm)
-
+        if any(chosen.paths):
+            out = self.rejection_sampler(path_meta, draft_probs, path_logits, sm)
+        else:
+            # every walk stopped at its root: vLLM's rejection sampler would
+            # get no target row (its top-k fails on an empty tensor); the
+            # plain sampler on the root rows gives the same [requests, 1]
+            # tokens and logprobs
+            out = super()._sample(path_logits, None)
         accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
         self._sp_move_kv(state, chosen.paths, accepted)
         for i, path in enumerate(chosen.paths):
@@ -799,8 +776,7 @@ class SpecplugRunnerMixin:
         base, n_rows = state.logit_base, state.logit_rows
         sel = np.concatenate([int(base[i]) + np.arange(int(n_rows[i])) for i in todo])
         idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
-        logp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
-        vals, ids = logp.topk(min(rule.beta, logp.shape[-1]), dim=-1)
+        vals, ids = log_softmax_topk(logits, rule.beta, idx)
         vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
         out, k = {}, 0
         old = list(chosen.paths)
@@ -884,17 +860,16 @@ class SpecplugRunnerMixin:
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         # the budget's gate: no draft at all this step when drafting has
         # stopped paying for its own time (engine/budget.DraftGate)
-        drafting = self._sp_budget is None or self._sp_budget.draft_now()
+        drafting = self._sp_budget.draft_now()
         # What an accepted token saves (engine/interface.StepRequest.token_seconds),
         # from the step-cost curve (rank 0's times, so alike on every rank).
         # 0 under tensor parallelism: a head weighs it against its own pass
         # time, which each rank measures for itself, and ranks must draft alike.
         token_s = 0.0
-        n_dec = sum(1 for x in sampled_token_ids if len(x) > 0)
-        if (self._sp_budget is not None and self._sp_budget.cost.known and n_dec
-                and self.parallel_config.tensor_parallel_size == 1):
-            token_s = self._sp_budget.cost(n_dec) / n_dec
-        side_work = self._sp_budget.side_work if self._sp_budget is not None else True
+        if self.parallel_config.tensor_parallel_size == 1:
+            token_s = self._sp_budget.token_seconds(
+                sum(1 for x in sampled_token_ids if len(x) > 0))
+        side_work = self._sp_budget.side_work
         silent = self._sp_silent()
         plan = []
         for i, rid in enumerate(self.input_batch.req_ids):
@@ -913,7 +888,7 @@ class SpecplugRunnerMixin:
             plan.append((n_sched, c, n_prompt, is_decode, rel, first))
         # a closed gate's exploring step asks one request for a draft
         explore = -1
-        if drafting and self._sp_budget is not None and self._sp_budget.exploring:
+        if drafting and self._sp_budget.exploring:
             explore = self._sp_pick_explorer(plan, sampled_token_ids, silent)
         step_rows = self._sp_gather(hidden_states, aux_hidden_states,
                                     [first + np.asarray(rel, dtype=np.int64)
@@ -967,7 +942,7 @@ class SpecplugRunnerMixin:
             if needs.entropy:
                 self._sp_fill_entropy(sreq, state, i, rel, is_decode, hidden_states, rows)
             self._sp_count_sources(sreq)
-        if self._sp_budget is not None and drafting:
+        if drafting:
             # rank 0's time, as every budget input (ranks must gate alike)
             self._sp_budget.observe_side(_tp_rank0_float(self._sp_side_seconds))
         self._sp_side_seconds = 0.0
@@ -979,7 +954,7 @@ class SpecplugRunnerMixin:
                               skip=self._sp_opted_out | guard.stopped)
         self._sp_stop_drafting(guard.take_stopped())
         t2 = time.perf_counter()
-        if self._sp_budget is not None and all_decode:
+        if all_decode:
             # rank 0's time: every tensor-parallel rank must gate alike
             self._sp_budget.observe_propose(_tp_rank0_float(t2 - t1), drafting,
                                             sum(1 for r in batch if r.budget > 0))
@@ -992,15 +967,14 @@ class SpecplugRunnerMixin:
             if sreq.chain_only and not tree.is_chain():
                 tree = tree.first_path()
             kept.append(tree)
-        if self._sp_budget is not None:
-            try:
-                kept = self._sp_apply_budget(batch, kept, scheduler_output,
-                                             step_seconds if all_decode else 0.0)
-            except Exception:  # noqa: BLE001 - a budget bug must not stop serving
-                # the trees stay uncut (still lossless); say so once
-                if not self._sp_stats.budget_faults:
-                    logger.exception("specplug: cost-aware budget failed; trees uncut")
-                self._sp_stats.budget_faults += 1
+        try:
+            kept = self._sp_apply_budget(batch, kept, scheduler_output,
+                                         step_seconds if all_decode else 0.0)
+        except Exception:  # noqa: BLE001 - a budget bug must not stop serving
+            # the trees stay uncut (still lossless); say so once
+            if not self._sp_stats.budget_faults:
+                logger.exception("specplug: cost-aware budget failed; trees uncut")
+            self._sp_stats.budget_faults += 1
         drafts: list[list[int]] = []
         for sreq, tree in zip(batch, kept):
             if tree is None or not len(tree):
@@ -1052,7 +1026,7 @@ class SpecplugRunnerMixin:
                                           sreq.token_ids[base:-1])
 
     def _sp_apply_budget(self, batch, trees, scheduler_output, step_seconds):
-        """Cut the step's trees to what pays (``engine/budget.py``).
+        """Cut the step's trees to what pays (``engine/budget/``).
 
         ``step_seconds``: this step's forward + verification time, 0 unless
         every request decoded (prefill chunks do not belong on the curve).
@@ -1069,16 +1043,8 @@ class SpecplugRunnerMixin:
             ctl.learn(sreq.req_id, sreq.token_ids, accepted)
         cut, _ = ctl.choose([s.req_id for s in batch], trees,
                             [len(s.token_ids) for s in batch],
-                            rows=sum(1 for s in batch if s.sampled),
-                            remaining=self._sp_remaining(batch),
-                            length_bound=self._sp_length_bound)
+                            rows=sum(1 for s in batch if s.sampled))
         return cut
-
-    def _sp_closed_values(self) -> bool:
-        """The method's ``closed_batch_values`` is on (with the budget)."""
-        prop = self._sp_proposer
-        return (self._sp_budget is not None and prop is not None
-                and prop.config.closed_batch_values)
 
     def _sp_pick_explorer(self, plan, sampled_token_ids, silent: set[str]) -> int:
         """The request a closed gate's exploring step asks for a draft:
@@ -1103,27 +1069,6 @@ class SpecplugRunnerMixin:
         if self.parallel_config.tensor_parallel_size > 1:
             pick = int(_tp_rank0_float(float(pick)))
         return pick if pick >= 0 else -2  # none samples: nobody drafts (-1 is everybody)
-
-    def _sp_remaining(self, batch) -> list[int] | None:
-        """Tokens each request of the step may still generate (``max_tokens``,
-        ``max_model_len``), for the budget's closed-batch token values; None
-        unless the method's ``closed_batch_values`` is on, and while the
-        workload looks open (a request took a finished one's place
-        within the last ``OPEN_WORKLOAD_STEPS`` steps), where every accepted
-        token is worth a request's share of a step (engine/budget.py)."""
-        if (not self._sp_closed_values()
-                or self._sp_step_no - self._sp_last_refill <= OPEN_WORKLOAD_STEPS):
-            return None
-        out = []
-        for s in batch:
-            req = self.requests.get(s.req_id)
-            made = len(s.token_ids) - s.num_prompt_tokens
-            left = self.max_model_len - len(s.token_ids)
-            max_tokens = getattr(getattr(req, "sampling_params", None), "max_tokens", None)
-            if max_tokens is not None:
-                left = min(left, max_tokens - made)
-            out.append(max(0, left))
-        return out
 
     def _sp_fill_entropy(self, sreq, state, i, rel, is_decode, hidden_states,
                          rows) -> None:
@@ -1197,11 +1142,9 @@ class SpecplugRunnerMixin:
         """Forget what the budget learned (engine/budget.BudgetController.
         reset_learning): it starts cold, as at start-up. For a
         warm-up that must not teach: ``llm.collective_rpc(
-        "specplug_reset_budget")``. False without a budget."""
-        if self._sp_budget is None:
-            return False
-        self._sp_budget.reset_learning()
-        return True
+        "specplug_reset_budget")``. False with a pinned budget (nothing
+        learned)."""
+        return self._sp_budget.reset_learning()
 
     def specplug_stats(self) -> dict[str, Any]:
         stats = self._sp_stats.as_dict()
@@ -1209,8 +1152,12 @@ class SpecplugRunnerMixin:
         stats["tree_attention"] = self._sp_tree_attention_path()
         # the target's linear layers on the small-row CPU kernel (0: oneDNN only)
         stats["cpu_linear_layers"] = len(getattr(self, "_sp_linear_routed", ()))
-        if self._sp_budget is not None:
-            stats["budget"] = self._sp_budget.as_dict()
+        # which layers: routed layers per weight shape "KxN" (benchmarks record it)
+        routed = getattr(self, "_sp_linear_routed", ())
+        stats["cpu_linear_shapes"] = {s: routed.count(s) for s in sorted(set(routed))}
+        budget = self._sp_budget.as_dict()
+        if budget is not None:
+            stats["budget"] = budget
         if self._sp_proposer is not None:
             prop = self._sp_proposer
             own = guard_for(self).call("stats", prop.stats)

@@ -11,6 +11,7 @@ tenant, so requests learn from and draft from only their own tenant's steps.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import torch
@@ -19,6 +20,8 @@ from vllm_specplug.engine.interface import StepRequest
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.sources.adjacency import AdjacencyTable
 from vllm_specplug.sources.template import TreeTemplate
+
+logger = logging.getLogger(__name__)
 
 
 class AdjacencyDrafter:
@@ -33,12 +36,21 @@ class AdjacencyDrafter:
     every running request drafts from its own copy of its tenant's table
     (taken when it first steps, then updated with its own steps only) while
     the tenant's table still learns from all of them, for the requests that
-    come later."""
+    come later.
+
+    Memory: every table is the same ``vocab * k`` int32, and at most
+    ``1 + max_tenants + max_request_tables`` are held. A request that needs
+    a table of its own while ``max_request_tables`` are taken gets none
+    until one is freed: it learns nothing and drafts nothing from the table
+    (counted as ``tables_refused``), and is verified as usual."""
 
     def __init__(self, table: AdjacencyTable, template: TreeTemplate,
-                 per_request_tables: bool = False, max_tenants: int = 64) -> None:
+                 per_request_tables: bool = False, max_tenants: int = 64,
+                 max_request_tables: int | None = None) -> None:
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        if max_request_tables is not None and max_request_tables < 0:
+            raise ValueError(f"max_request_tables must be >= 0, got {max_request_tables}")
         self.pristine = table
         """The start-up table: every tenant's and every private table's start."""
         self.template = template
@@ -47,6 +59,14 @@ class AdjacencyDrafter:
         self._tenant_tables: OrderedDict[str, AdjacencyTable] = OrderedDict()  # LRU order
         self._own: dict[str, AdjacencyTable] = {}  # per-request tables
         self._tenant: dict[str, str | None] = {}  # req_id -> tenant, from its first step
+        self.max_request_tables = max_request_tables
+        self._refused: set[str] = set()  # running requests refused a table of their own
+        self.tables_refused = 0
+        """Requests that were refused a table of their own (each counted once)."""
+        most = 1 + max_tenants + (max_request_tables if max_request_tables is not None else 0)
+        logger.info("specplug: adjacency tables of %.1f MiB each, at most %d held%s",
+                    table.nbytes / 2**20, most,
+                    "" if max_request_tables is not None else ", plus one per running request")
 
     @property
     def tables(self) -> list[AdjacencyTable]:
@@ -68,6 +88,7 @@ class AdjacencyDrafter:
     def remove_request(self, req_id: str) -> None:
         self._own.pop(req_id, None)
         self._tenant.pop(req_id, None)
+        self._refused.discard(req_id)
 
     # ------------------------------------------------------------ tables
     def tenant_table(self, tenant: str) -> AdjacencyTable:
@@ -101,24 +122,46 @@ class AdjacencyDrafter:
         self._tenant[req.req_id] = req.tenant
         return req.tenant
 
-    def table_of(self, req: StepRequest) -> AdjacencyTable:
-        """The table ``req`` drafts from and learns in."""
+    def table_of(self, req: StepRequest) -> AdjacencyTable | None:
+        """The table ``req`` drafts from and learns in; None when it needs
+        one of its own and ``max_request_tables`` are taken."""
         tenant = self._bind(req)
         if tenant is not None and not self.per_request_tables:
             return self.tenant_table(tenant)
         own = self._own.get(req.req_id)
         if own is None:
+            if not self._room_for_own(req.req_id):
+                return None
             start = self.pristine if tenant is None else self.tenant_table(tenant)
             own = self._own[req.req_id] = start.clone()
         return own
 
+    def _room_for_own(self, req_id: str) -> bool:
+        """A request's own table fits under ``max_request_tables``; a
+        refusal is counted once per request, and logged once."""
+        if self.max_request_tables is None or len(self._own) < self.max_request_tables:
+            self._refused.discard(req_id)
+            return True
+        if req_id not in self._refused:
+            self._refused.add(req_id)
+            if not self.tables_refused:
+                logger.warning("specplug: %d requests hold an adjacency table of their own "
+                               "(max_request_tables); later ones draft without one until a "
+                               "table is freed (counted as tables_refused; logged once)",
+                               len(self._own))
+            self.tables_refused += 1
+        return False
+
     @staticmethod
-    def _by_table(tables: list[AdjacencyTable]) -> list[tuple[AdjacencyTable, list[int]]]:
+    def _by_table(tables: list[AdjacencyTable | None]) -> list[tuple[AdjacencyTable,
+                                                                      list[int]]]:
         """Batch indices grouped by the table they use, in batch order
-        within a group (the same on every rank)."""
+        within a group (the same on every rank); requests without a table
+        are left out."""
         groups: dict[int, tuple[AdjacencyTable, list[int]]] = {}
         for i, table in enumerate(tables):
-            groups.setdefault(id(table), (table, []))[1].append(i)
+            if table is not None:
+                groups.setdefault(id(table), (table, []))[1].append(i)
         return list(groups.values())
 
     # ------------------------------------------------------------ learning
@@ -173,7 +216,7 @@ class AdjacencyDrafter:
         request's last token through the request's table: one expansion,
         and one host sync, per table."""
         template = self.template if template is None else template
-        out: list[list[int]] = [[] for _ in reqs]
+        out: list[list[int]] = [[-1] * len(template) for _ in reqs]  # no table: no tokens
         for table, idx in self._by_table([self.table_of(req) for req in reqs]):
             roots = torch.tensor([reqs[i].last_token for i in idx], dtype=torch.long)
             for i, row in zip(idx, template.expand(table, roots).cpu().tolist()):

@@ -112,33 +112,84 @@ class TokenSuffixArray:
                           within: tuple[int, int] | None = None
                           ) -> tuple[np.ndarray, np.ndarray]:
         """Tokens that follow ``key`` in the corpus and how often, most
-        frequent first (ties: smaller id first). ``max_rows`` caps the rows
-        read for very common keys (the counts are then of the first rows of
-        the range, which the suffix order groups by next token: the most
-        frequent continuations may be missed, so keep it large)."""
+        frequent first (ties: smaller id first).
+
+        ``max_rows`` bounds the work for very common keys. A range of more
+        rows is read at ``max_rows`` evenly spaced rows (its first and last
+        included); the suffix order sorts the range by the next token, so
+        every token seen there has its run's exact ends found by binary
+        search between neighbouring samples. Counts are then exact for
+        every token that follows the key at least ``rows / (max_rows - 1)``
+        times (those always reach a sample), and the rarer tokens no
+        sample reached are left out. Within the cap the result is the
+        exact one."""
         lo, hi = self.range_of(key, within)
-        if max_rows is not None:
-            hi = min(hi, lo + max_rows)
+        empty = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         if hi <= lo:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        after = self.sa[lo:hi].astype(np.int64) + len(key)
-        after = after[after < len(self)]
-        nxt = self.tokens[after].astype(np.int64)
-        nxt = nxt[nxt != self.separator]
-        if nxt.size == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        ids, counts = np.unique(nxt, return_counts=True)
+            return empty
+        n = len(key)
+        if max_rows is not None and hi - lo > max(max_rows, 2):
+            ids, counts = self._sampled_runs(lo, hi, n, max(max_rows, 2))
+        else:
+            nxt = self._next_tokens(np.arange(lo, hi), n)
+            ids, counts = np.unique(nxt, return_counts=True)
+        keep = (ids >= 0) & (ids != self.separator)
+        ids, counts = ids[keep], counts[keep]
+        if ids.size == 0:
+            return empty
         order = np.lexsort((ids, -counts))
         return ids[order], counts[order]
 
+    def _next_tokens(self, rows: np.ndarray, n: int) -> np.ndarray:
+        """The token after the ``n``-token key at each suffix-array row
+        (-1 where the corpus ends right after the key)."""
+        after = self.sa[rows].astype(np.int64) + n
+        out = np.full(after.shape, -1, dtype=np.int64)
+        inside = after < len(self)
+        out[inside] = self.tokens[after[inside]]
+        return out
+
+    def _sampled_runs(self, lo: int, hi: int, n: int, samples: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Next tokens of ``[lo, hi)`` seen at ``samples`` evenly spaced
+        rows, each with the exact length of its run (the rows of a key's
+        range are sorted by the next token)."""
+        rows = lo + (np.arange(samples, dtype=np.int64) * (hi - 1 - lo)) // (samples - 1)
+        seen = self._next_tokens(rows, n)
+        change = np.flatnonzero(seen[1:] != seen[:-1])  # a run ends between j and j+1
+        # first row past the run of seen[j], and first row of seen[j+1]'s run
+        ends = self._first_above(rows[change], rows[change + 1], seen[change], n)
+        starts = self._first_above(rows[change], rows[change + 1], seen[change + 1] - 1, n)
+        first = np.concatenate([[0], change + 1])  # sample index opening each run
+        run_start = np.concatenate([[lo], starts])
+        run_end = np.concatenate([ends, [hi]])
+        return seen[first], run_end - run_start
+
+    def _first_above(self, low: np.ndarray, high: np.ndarray, threshold: np.ndarray,
+                     n: int) -> np.ndarray:
+        """Per gap: the first row in ``(low, high]`` whose next token is
+        above ``threshold``, given that ``low``'s is not and ``high``'s is
+        (binary searches run side by side)."""
+        low, high = low.copy(), high.copy()
+        while True:
+            open_ = high - low > 1
+            if not open_.any():
+                return high
+            mid = (low + high) // 2
+            above = self._next_tokens(mid, n) > threshold
+            high = np.where(open_ & above, mid, high)
+            low = np.where(open_ & ~above, mid, low)
+
     def next_tokens_backoff(self, context: Sequence[int], max_key: int,
-                            min_key: int = 1) -> tuple[np.ndarray, np.ndarray, int]:
+                            min_key: int = 1, max_rows: int | None = None
+                            ) -> tuple[np.ndarray, np.ndarray, int]:
         """READER's lookup: the key is the last ``max_key`` tokens of
         ``context``; while it is absent, drop its first token and retry.
-        Returns (ids, counts, key length used; 0 if nothing matched)."""
+        Returns (ids, counts, key length used; 0 if nothing matched).
+        ``max_rows``: as in :meth:`next_token_counts`."""
         ctx = np.asarray(context, dtype=np.int64)
         for n in range(min(max_key, ctx.shape[0]), min_key - 1, -1):
-            ids, counts = self.next_token_counts(ctx[ctx.shape[0] - n :])
+            ids, counts = self.next_token_counts(ctx[ctx.shape[0] - n :], max_rows)
             if ids.size:
                 return ids, counts, n
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0

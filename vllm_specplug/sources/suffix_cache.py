@@ -29,12 +29,15 @@ continuations were seen there too).
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import numpy as np
 
 from vllm_specplug.engine.tree import DraftTree
+
+logger = logging.getLogger(__name__)
 
 _MATCH_BUCKETS = (8, 4, 2, 1)
 
@@ -154,21 +157,27 @@ class TenantSuffixCaches:
     cache; past that the least recently drafted-for tenant without a live
     request loses its cache (its earlier responses), so the bound can be
     passed only while every cached tenant has a request running. Responses
-    are counted across tenants: ``max_cached_requests`` in all, the oldest
-    evicted first whichever tenant it belongs to, so memory does not grow
-    with the number of tenants.
+    are counted across tenants: ``max_cached_requests`` in all, and at most
+    ``max_cached_tokens`` response tokens in all (a running request's
+    response counts as it grows), the oldest evicted first whichever tenant
+    it belongs to, so memory does not grow with the number of tenants.
     """
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_tenants: int = 64) -> None:
+                 max_tenants: int = 64, max_cached_tokens: int | None = None) -> None:
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.max_tenants = max_tenants
+        self.max_cached_tokens = max_cached_tokens
         self._caches: OrderedDict[str, SuffixCache] = OrderedDict()  # least recent first
         self._private = SuffixCache(max_tree_depth, max_cached_requests=0)
         self._tenant_of: dict[str, str | None] = {}  # live request -> its tenant
-        # every tenant's cached responses, oldest first
-        self._responses: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # every tenant's cached responses, oldest first: their tokens
+        self._responses: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.cached_tokens = 0
+        """Response tokens in the global trees, all tenants together."""
+        self.evicted_for_tokens = 0
+        """Responses evicted to stay under ``max_cached_tokens``."""
 
     def sync(self, req_id: str, tenant: str | None, token_ids: np.ndarray,
              num_prompt_tokens: int) -> None:
@@ -179,6 +188,8 @@ class TenantSuffixCaches:
         self._tenant_of[req_id] = tenant
         if cache.sync(req_id, token_ids, num_prompt_tokens) and tenant is not None:
             self._count_response(tenant, req_id)
+        if tenant is not None and (tenant, req_id) in self._responses:
+            self._count_tokens(tenant, req_id, len(token_ids) - num_prompt_tokens)
 
     def stop(self, req_id: str) -> None:
         """``SuffixCache.stop`` in the cache the request was fed to."""
@@ -219,18 +230,40 @@ class TenantSuffixCaches:
                 return
             del self._caches[idle]
             for key in [k for k in self._responses if k[0] == idle]:
-                del self._responses[key]
+                self.cached_tokens -= self._responses.pop(key)
 
     def _count_response(self, tenant: str, req_id: str) -> None:
         if not self.max_cached_requests:
             return
-        self._responses[(tenant, req_id)] = None
-        self._responses.move_to_end((tenant, req_id))
+        # a request started again (preempted) is fed from its prompt again
+        self.cached_tokens -= self._responses.pop((tenant, req_id), 0)
+        self._responses[(tenant, req_id)] = 0
         while len(self._responses) > self.max_cached_requests:
-            (old_tenant, old_req), _ = self._responses.popitem(last=False)
-            cache = self._caches.get(old_tenant)
-            if cache is not None:
-                cache.evict(old_req)
+            self._evict_oldest()
+
+    def _count_tokens(self, tenant: str, req_id: str, tokens: int) -> None:
+        """The response's length now; the oldest responses are evicted
+        while all of them hold more than ``max_cached_tokens``."""
+        key = (tenant, req_id)
+        self.cached_tokens += tokens - self._responses[key]
+        self._responses[key] = tokens
+        cap = self.max_cached_tokens
+        if cap is None:
+            return
+        while self.cached_tokens > cap and self._responses:
+            if not self.evicted_for_tokens:
+                logger.warning("specplug: suffix trees reached max_cached_tokens=%d; the "
+                               "oldest responses are evicted (counted as "
+                               "evicted_for_tokens; logged once)", cap)
+            self.evicted_for_tokens += 1
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        (old_tenant, old_req), tokens = self._responses.popitem(last=False)
+        self.cached_tokens -= tokens
+        cache = self._caches.get(old_tenant)
+        if cache is not None:
+            cache.evict(old_req)
 
     @property
     def tenants(self) -> int:

@@ -1,0 +1,195 @@
+"""Plots and a Markdown table of a serving sweep's JSON
+(:mod:`benchmarks.serve_sweep`).
+
+    python -m benchmarks.serve_report benchmarks/results/serve_sweep.json
+
+- :func:`plot_all`: one PNG per dataset and temperature: output tokens/s,
+  p50 TPOT and p99 TPOT against max concurrency (top row) and against the
+  Poisson request rate (bottom row), one line per method;
+- :func:`render_markdown`: per dataset and temperature, each method's output
+  tokens/s and p99 TPOT at every load point, with its ratio to plain
+  decoding (``none``) beside it, and tau.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PANELS = (("output_throughput", None, "output tokens/s"),
+          ("tpot_ms", "p50", "p50 TPOT (ms)"), ("tpot_ms", "p99", "p99 TPOT (ms)"))
+BASELINE = "none"
+
+
+def _value(rec: dict, key: str, sub: str | None):
+    v = rec.get(key)
+    return v.get(sub) if sub and isinstance(v, dict) else v
+
+
+def groups(doc: dict) -> dict[tuple[str, float], list[dict]]:
+    """Records by (dataset, temperature), in the order they were measured."""
+    out: dict[tuple[str, float], list[dict]] = {}
+    for rec in doc.get("records", []):
+        out.setdefault((rec["dataset"], rec["temperature"]), []).append(rec)
+    return out
+
+
+def series(recs: list[dict], load: str, key: str, sub: str | None) -> dict[str, list]:
+    """method -> sorted [(load value, figure)] of the records at ``load``."""
+    out: dict[str, list] = {}
+    for r in recs:
+        v = _value(r, key, sub)
+        if r["load"] == load and v is not None:
+            out.setdefault(r["method"], []).append((r["value"], v))
+    return {m: sorted(pts) for m, pts in out.items()}
+
+
+def plot_group(recs: list[dict], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = [ld for ld in ("concurrency", "rate") if any(r["load"] == ld for r in recs)]
+    fig, axes = plt.subplots(len(loads), len(PANELS), squeeze=False,
+                             figsize=(5 * len(PANELS), 4 * len(loads)))
+    for row, load in enumerate(loads):
+        for col, (key, sub, label) in enumerate(PANELS):
+            ax = axes[row][col]
+            for method, pts in series(recs, load, key, sub).items():
+                xs, ys = zip(*pts)
+                style = "k--" if method == BASELINE else "-o"
+                ax.plot(xs, ys, style, label=method, markersize=3)
+            if load == "concurrency":
+                ax.set_xscale("log", base=2)
+                ticks = sorted({r["value"] for r in recs if r["load"] == load})
+                ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+                ax.minorticks_off()
+            ax.set_xlabel("max concurrency" if load == "concurrency" else "request rate (req/s)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_all(doc: dict, prefix: str) -> list[str]:
+    """Write ``<prefix>_<dataset>_t<temperature>.png`` per group; the paths."""
+    paths = []
+    model = doc.get("run", {}).get("model", "")
+    for (dataset, temp), recs in groups(doc).items():
+        path = f"{prefix}_{dataset.replace(':', '-')}_t{temp:g}.png"
+        plot_group(recs, f"{dataset}, temperature {temp:g} ({model.rsplit('/', 1)[-1]})", path)
+        paths.append(path)
+    return paths
+
+
+def _cell(rec: dict, base: dict | None) -> str:
+    tps, p99 = rec.get("output_throughput"), _value(rec, "tpot_ms", "p99")
+    if tps is None or p99 is None:
+        return "-"
+    text = f"{tps:.1f} / {p99:.0f}"
+    tps_ratio = _ratio(rec, base, "output_throughput")
+    tpot_ratio = _ratio(rec, base, "tpot_ms", "p99")
+    if base is not rec and tps_ratio is not None and tpot_ratio is not None:
+        text += f" ({tps_ratio:.2f}x / {tpot_ratio:.2f}x)"
+    tau = (rec.get("spec") or {}).get("tau")
+    return text + (f", tau {tau:.2f}" if tau else "")
+
+
+def _load_label(load: str, value: float) -> str:
+    return f"c={value:g}" if load == "concurrency" else f"{value:g} req/s"
+
+
+def render_markdown(doc: dict, baseline: str = BASELINE) -> str:
+    """One table per dataset and temperature: rows are methods, columns load
+    points; a cell is ``output tok/s / p99 TPOT ms`` (ratio to
+    ``baseline``: ``none``, or ``plain`` for speculation apart from the
+    plugin's CPU kernel), and tau (tokens per verified draft)."""
+    lines = []
+    for (dataset, temp), recs in groups(doc).items():
+        cols = list(dict.fromkeys((r["load"], r["value"]) for r in recs))
+        base = {(r["load"], r["value"]): r for r in recs if r["method"] == baseline}
+        lines += [f"**{dataset}, temperature {temp:g}** (output tok/s / p99 TPOT ms; "
+                  f"ratio to `{baseline}`)", "",
+                  "| method | " + " | ".join(_load_label(*c) for c in cols) + " |",
+                  "|---|" + "---|" * len(cols)]
+        for method in dict.fromkeys(r["method"] for r in recs):
+            by = {(r["load"], r["value"]): r for r in recs if r["method"] == method}
+            cells = [_cell(by[c], base.get(c)) if c in by else "-" for c in cols]
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _ratio(rec: dict, base: dict | None, key: str, sub: str | None = None) -> float | None:
+    a, b = _value(rec, key, sub), _value(base, key, sub) if base else None
+    return a / b if a is not None and b else None
+
+
+def targets(doc: dict, kinds: dict[str, str]) -> list[str]:
+    """The serving targets the sweep is held to, one line per miss (empty:
+    all met). ``kinds``: method -> ``specplug`` / ``vllm`` / ``baseline``.
+
+    Every specplug method at every point: output tokens/s at least 0.97x
+    ``none``'s and p99 TPOT at most 1.03x; the best specplug method at
+    concurrency 1 at least 1.3x ``none``, and ahead of vLLM's ``suffix``
+    and ``ngram`` at every concurrency."""
+    misses = []
+    for (dataset, temp), recs in groups(doc).items():
+        at = {(r["method"], r["load"], r["value"]): r for r in recs}
+        where = f"{dataset} T={temp:g}"
+        for r in recs:
+            if kinds.get(r["method"]) != "specplug":
+                continue
+            base = at.get((BASELINE, r["load"], r["value"]))
+            tps, tpot = _ratio(r, base, "output_throughput"), _ratio(r, base, "tpot_ms", "p99")
+            label = f"{where} {_load_label(r['load'], r['value'])} {r['method']}"
+            if tps is not None and tps < 0.97:
+                misses.append(f"{label}: output tok/s {tps:.2f}x none (< 0.97x)")
+            if tpot is not None and tpot > 1.03:
+                misses.append(f"{label}: p99 TPOT {tpot:.2f}x none (> 1.03x)")
+        for c in sorted({r["value"] for r in recs if r["load"] == "concurrency"}):
+            ours = [r for r in recs if r["load"] == "concurrency" and r["value"] == c
+                    and kinds.get(r["method"]) == "specplug" and r.get("output_throughput")]
+            if not ours:
+                continue
+            best = max(ours, key=lambda r: r["output_throughput"])
+            base = at.get((BASELINE, "concurrency", c))
+            gain = _ratio(best, base, "output_throughput")
+            if c == 1 and gain is not None and gain < 1.3:
+                misses.append(f"{where} c=1: best specplug ({best['method']}) {gain:.2f}x "
+                              "none (< 1.3x)")
+            for rival in ("suffix", "ngram"):
+                other = at.get((rival, "concurrency", c))
+                if other and (other.get("output_throughput") or 0) >= best["output_throughput"]:
+                    misses.append(f"{where} c={c:g}: {rival} {other['output_throughput']:.1f} "
+                                  f">= best specplug ({best['method']}) "
+                                  f"{best['output_throughput']:.1f} tok/s")
+    return misses
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m benchmarks.serve_report SWEEP.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        doc = json.load(f)
+    print(render_markdown(doc))
+    if any(r["method"] == "plain" for r in doc.get("records", [])):
+        print(render_markdown(doc, baseline="plain"))
+    kinds = {r["method"]: r.get("method_kind") for r in doc.get("records", [])}
+    misses = targets(doc, kinds)
+    print("targets: " + ("all met" if not misses else f"{len(misses)} missed"))
+    for line in misses:
+        print(f"- {line}")
+    for path in plot_all(doc, argv[0].rsplit(".", 1)[0]):
+        print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

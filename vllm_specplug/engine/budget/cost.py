@@ -1,0 +1,117 @@
+"""Step time as a function of the rows the target verifies, learned online.
+
+Model: knots over the number of verified rows (geometric, about four per
+doubling), each an exponential moving average of the decode steps measured
+there. Between measured knots the curve is interpolated. Where nothing was
+measured it is extrapolated so that the controller tries sizes it does not
+know yet and learns their cost, instead of never leaving the sizes it has
+seen:
+
+- above the largest measured knot, along the measured knots' average slope
+  (flat while only one knot is known);
+- below the smallest, optimistically (proportional to the rows);
+- the curve never falls as rows grow: a knot dearer than a larger one is a
+  one-off and is left out of the curve.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+
+class StepCost:
+    """Step time (seconds) vs rows verified in the step, learned online.
+
+    A knot's first step may pay one-time costs (a new shape's first kernels),
+    so its second step replaces it instead of averaging with it. The
+    controller only visits the sizes it believes pay, so a knot measured
+    too dear would never be measured again: a knot not observed for ``stale_after`` steps leaves the
+    curve (which is then optimistic there) and its next step replaces it."""
+
+    def __init__(self, max_rows: int = 1 << 16, ratio: float = 2 ** 0.25,
+                 alpha: float = 0.2, stale_after: int = 256) -> None:
+        knots, r = [1], 1.0
+        while knots[-1] < max_rows:
+            r *= ratio
+            if round(r) > knots[-1]:
+                knots.append(int(round(r)))
+        self.knots = knots
+        self.alpha = alpha
+        self.stale_after = stale_after
+        self.value = np.zeros(len(knots))
+        self.count = np.zeros(len(knots), dtype=np.int64)
+        self.last = np.zeros(len(knots), dtype=np.int64)  # clock when observed
+        self.clock = 0  # steps observed
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # The curve only changes when a step is observed, while the
+        # controller reads it once per candidate node: keep the fresh knots'
+        # points instead of selecting them on every read.
+        self._fresh = np.flatnonzero((self.count > 0)
+                                     & (self.clock - self.last <= self.stale_after))
+        # Verifying more rows never makes a step cheaper, so a knot dearer
+        # than a larger one is a one-off (a stall, a new shape, a warm-up
+        # beside another process) that its size's rare visits do not
+        # correct. Kept, it makes plain decoding look dearer than it is, and
+        # the controller drafts trees that run slower than plain decoding. Such a knot leaves the curve, which is read there
+        # from its consistent neighbours. It is not read at the larger
+        # knot's value instead: plain decoding's rows would then look as
+        # dear as the larger drafted steps, drafting those extra rows would
+        # look free, the gate would never close, and the dear knot would
+        # never be measured again, because the controller would never stop
+        # drafting.
+        ys = self.value[self._fresh]
+        ok = ys <= np.minimum.accumulate(ys[::-1])[::-1]
+        self._seen = self._fresh[ok]
+        self._xs = np.asarray(self.knots, dtype=float)[self._seen]
+        self._ys = ys[ok]
+
+    def _knot(self, rows: int) -> int:
+        i = bisect.bisect_left(self.knots, rows)
+        if i == len(self.knots):
+            return i - 1
+        if i > 0 and rows - self.knots[i - 1] < self.knots[i] - rows:
+            return i - 1
+        return i
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows < 1 or not seconds > 0:
+            return
+        k = self._knot(rows)
+        self.clock += 1
+        if self.count[k] <= 1 or self.clock - self.last[k] > self.stale_after:
+            self.value[k] = seconds
+        else:
+            self.value[k] += self.alpha * (seconds - self.value[k])
+        self.count[k] += 1
+        self.last[k] = self.clock
+        self._refresh()
+
+    @property
+    def known(self) -> bool:
+        return bool(self.count.any())
+
+    def __call__(self, rows: int) -> float:
+        """Estimated step time at ``rows``; 0 when nothing was measured yet."""
+        xs, ys = self._xs, self._ys
+        if xs.size == 0:
+            return 0.0
+        if rows >= xs[-1]:
+            # Along the measured curve's average slope (flat with one point),
+            # not flat at the largest known value: an engine that knows only
+            # small sizes would then take trees of many times those rows as
+            # no dearer than the small ones.
+            slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0]) if xs.size > 1 else 0.0
+            return float(ys[-1] + slope * (rows - xs[-1]))
+        if rows <= xs[0]:
+            # optimistic: proportional (never 0: callers divide by it)
+            return float(ys[0] * max(rows, 1) / xs[0])
+        return float(np.interp(rows, xs, ys))
+
+    def as_dict(self) -> dict:
+        """The measured knots (ms), those left out of the curve included."""
+        return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in self._fresh}
+
