@@ -11,7 +11,7 @@ from vllm_specplug.config import MethodConfig
 from vllm_specplug.engine.interface import DraftDeadline
 from vllm_specplug.methods.adapld import AdaPLDConfig, AdaPLDProposer
 from tests.methods.budget import propose
-from tests.methods.test_adapld_unit import make_ctx, step
+from tests.helpers.retrieval_steps import make_ctx, step
 
 
 class FakeClock:
@@ -109,14 +109,14 @@ def test_reader_keeps_the_head_tree_alone_past_the_budget(monkeypatch):
     in the batched pass) without the search paths."""
     from vllm_specplug.engine.interface import Proposer
     from vllm_specplug.engine.tree import DraftTree
-    from vllm_specplug.methods.eagle3_tree import Eagle3TreeProposer
+    from vllm_specplug.sources.eagle3_drafter import Eagle3Drafter
     from vllm_specplug.methods.reader import ReaderConfig, ReaderProposer
 
     head = {x: DraftTree([10], [-1], scores=[-0.1], sources=["eagle3"]) for x in "abc"}
-    monkeypatch.setattr(Eagle3TreeProposer, "__init__", Proposer.__init__)
-    monkeypatch.setattr(Eagle3TreeProposer, "propose",
+    monkeypatch.setattr(Eagle3Drafter, "__init__", Proposer.__init__)
+    monkeypatch.setattr(Eagle3Drafter, "propose",
                         lambda self, batch, drafting=None: [head[r.req_id] for r in batch])
-    monkeypatch.setattr(Eagle3TreeProposer, "stats", Proposer.stats)
+    monkeypatch.setattr(Eagle3Drafter, "stats", Proposer.stats)
     p = ReaderProposer(ReaderConfig(d_search=3, d_deep=0, l_suffix=2), make_ctx(8))
     clock = FakeClock()
     p.deadline = DraftDeadline(10.0, clock)

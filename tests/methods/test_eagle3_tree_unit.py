@@ -13,11 +13,8 @@ from tests.methods.budget import propose
 from vllm_specplug.config import SpecplugConfigError
 from vllm_specplug.registry import resolve as split_speculative_config
 from vllm_specplug.engine.interface import StepRequest
-from vllm_specplug.methods.eagle3_tree import (
-    Eagle3TreeConfig,
-    Eagle3TreeProposer,
-    default_held_rows,
-)
+from vllm_specplug.methods.eagle3_tree import Eagle3TreeConfig, Eagle3TreeProposer
+from vllm_specplug.sources.eagle3_drafter import default_held_rows
 
 
 def _step(prop, toks, aux, n_prompt: int, pos: int, n: int, budget: int,

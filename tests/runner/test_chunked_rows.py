@@ -15,6 +15,7 @@ import torch
 
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.engine.verify import child_probs, child_probs_chunked
+from tests.helpers.cpu_kernels import cpu_kernels
 from vllm_specplug.runner.logit_rows import (
     entropy,
     log_softmax_topk,
@@ -103,18 +104,6 @@ def test_child_probs_chunked_matches_whole(max_rows):
     assert all(rows <= max_rows or reqs == 1 for rows, reqs in seen)
     if max_rows < max(counts.values()):
         assert len(seen) > 1  # really chunked
-
-
-def cpu_kernels() -> None:
-    """What the CPU worker does at start-up: C++ stand-ins for vLLM's
-    Triton kernels (the per-request expansion among them)."""
-    from vllm.platforms import current_platform
-
-    from vllm_specplug.runner.runner import apply_vllm_cpu_fixes
-
-    if hasattr(current_platform, "register_triton_kernel_overrides"):
-        current_platform.register_triton_kernel_overrides()
-    apply_vllm_cpu_fixes()
 
 
 def _metadata(n: int):

@@ -17,6 +17,7 @@ from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.methods.pld import PLDConfig, PLDProposer
 from vllm_specplug.runner.guard import ProposeGuard
 from vllm_specplug.runner.runner import SpecplugRunnerMixin
+from vllm_specplug.runner.step_state import RequestBook, RequestPlan, StepClock
 
 
 class Recording(PLDProposer):
@@ -160,8 +161,7 @@ class _Runner(SpecplugRunnerMixin, _Base):
 def _runner(prop, max_request_faults=3):
     r = object.__new__(_Runner)
     r._sp_proposer, r._sp_stats, r._sp_budget = prop, TreeStats(), FixedBudget()
-    r._sp_trees, r._sp_sourced, r._sp_opted_out = {}, {}, set()
-    r._sp_step_no, r._sp_explore_turn = 0, 0
+    r._sp_requests, r._sp_clock = RequestBook(), StepClock()
     r.requests, r.input_batch = {}, SimpleNamespace(req_ids=[])
     r.parallel_config = SimpleNamespace(tensor_parallel_size=1)
     r._sp_guard = ProposeGuard(100, r._sp_stats, max_request_faults=max_request_faults)
@@ -202,13 +202,13 @@ def test_opted_out_request_never_reaches_the_method():
     r._update_states(_sched(new=["a", "off", "off1"], xargs={
         "off": {"specplug_speculate": False}, "off1": {"specplug_speculate": 0},
         "a": {"specplug_speculate": 1}}))
-    assert prop.added == ["a"] and r._sp_opted_out == {"off", "off1"}
+    assert prop.added == ["a"] and r._sp_requests.opted_out == {"off", "off1"}
     assert r._sp_silent() == {"off", "off1"}
     r._update_states(_sched(preempted=["off", "a"]))
     r._update_states(_sched(resumed=["off", "a"]))
     r._update_states(_sched(finished=["off", "off1", "a"]))
     assert set(prop.added) == {"a"} and set(prop.removed) == {"a"}
-    assert r._sp_opted_out == set()
+    assert r._sp_requests.opted_out == set()
 
 
 def test_explorer_skips_silent_requests_and_survives_catch_up_faults():
@@ -220,7 +220,8 @@ def test_explorer_skips_silent_requests_and_survives_catch_up_faults():
 
     r = _runner(Catchup(PLDConfig(), _ctx()))
     r.input_batch.req_ids = ["off", "bad", "a"]
-    plan = [(1, 0, 0, True, [0], 0)] * 3
+    plan = [RequestPlan(scheduled=1, computed=0, prompt_len=0, decoding=True, rows=[0],
+                        first_row=0)] * 3
     picks = [r._sp_pick_explorer(plan, [[1], [1], [1]], {"off"}) for _ in range(6)]
     assert 0 not in picks and set(picks) == {1, 2}
     # the 3rd fault in a row stopped it: the method is not asked again

@@ -27,7 +27,8 @@ from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.runner import memory, reserve
 from vllm_specplug.runner.memory import StepShape, step_items
 from vllm_specplug.runner.runner import SpecplugRunnerMixin, StepState
-from tests.runner.test_chunked_rows import cpu_kernels
+from vllm_specplug.runner.step_state import RequestBook
+from tests.helpers.cpu_kernels import cpu_kernels
 
 REQUESTS, NODES, VOCAB, HIDDEN = 8, 7, 4096, 32
 # a chain of 5 under the root's first child and a sibling: paths up to 6 deep
@@ -76,7 +77,7 @@ class _Runner(SpecplugRunnerMixin):
         self.rejection_sampler = sampler
         self._sp_needs = Needs(topk=8, tree_topk=True, entropy=True)
         self._sp_stats = TreeStats()
-        self._sp_opted_out: set[str] = set()
+        self._sp_requests = RequestBook()
         self._sp_options: dict = {}
 
 

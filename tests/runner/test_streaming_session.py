@@ -13,6 +13,7 @@ from vllm_specplug.engine.stats import TreeStats
 from vllm_specplug.methods.pld import PLDConfig, PLDProposer
 from vllm_specplug.runner.guard import ProposeGuard
 from vllm_specplug.runner.runner import SpecplugRunnerMixin
+from vllm_specplug.runner.step_state import RequestBook, StepClock
 
 
 class Live(PLDProposer):
@@ -52,8 +53,7 @@ def _runner(prop):
     r = object.__new__(_Runner)
     r._sp_proposer, r._sp_stats = prop, TreeStats()
     r._sp_budget = SimpleNamespace(forget=lambda rid: None)
-    r._sp_trees, r._sp_sourced, r._sp_opted_out = {}, {}, set()
-    r._sp_step_no, r._sp_explore_turn = 0, 0
+    r._sp_requests, r._sp_clock = RequestBook(), StepClock()
     r.requests, r.input_batch = {}, SimpleNamespace(req_ids=[])
     r.parallel_config = SimpleNamespace(tensor_parallel_size=1)
     r._sp_guard = ProposeGuard(100, r._sp_stats, max_request_faults=3)
@@ -80,10 +80,10 @@ def test_an_opted_out_chunk_frees_the_state_of_the_chunk_before():
     prop = Live(PLDConfig(), _ctx())
     r = _runner(prop)
     r._update_states(_chunk("s"))
-    assert prop.live == {"s"} and r._sp_opted_out == set()
-    r._sp_trees["s"] = object()  # a draft for the chunk before
+    assert prop.live == {"s"} and r._sp_requests.opted_out == set()
+    r._sp_requests.trees["s"] = object()  # a draft for the chunk before
     r._update_states(_chunk("s", speculate=False))
-    assert prop.live == set() and r._sp_opted_out == {"s"} and "s" not in r._sp_trees
+    assert prop.live == set() and r._sp_requests.opted_out == {"s"} and "s" not in r._sp_requests.trees
     assert r._sp_silent() == {"s"}
 
 
@@ -92,9 +92,9 @@ def test_a_chunk_opting_in_again_starts_afresh():
     r = _runner(prop)
     r._update_states(_chunk("s", speculate=False))
     r._update_states(_chunk("s", speculate=False))
-    assert prop.calls == [] and r._sp_opted_out == {"s"}  # the method never saw it
+    assert prop.calls == [] and r._sp_requests.opted_out == {"s"}  # the method never saw it
     r._update_states(_chunk("s"))
-    assert prop.calls == [("add", "s")] and r._sp_opted_out == set()
+    assert prop.calls == [("add", "s")] and r._sp_requests.opted_out == set()
     r._update_states(_chunk("s"))  # the next chunk: removed, then added again
     assert prop.calls == [("add", "s"), ("remove", "s"), ("add", "s")]
     assert prop.live == {"s"}

@@ -43,19 +43,16 @@ from vllm_specplug.engine.interface import (
 )
 from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder, normalize_tree
-from vllm_specplug.methods.eagle3_tree import (
-    Eagle3TreeConfig,
-    Eagle3TreeProposer,
-)
 from vllm_specplug.sources.adjacency import AdjacencyTable
 from vllm_specplug.sources.adjacency_drafter import AdjacencyDrafter
+from vllm_specplug.sources.eagle3_drafter import Eagle3Drafter, Eagle3DrafterConfig
 from vllm_specplug.sources.template import TreeTemplate, parse_level_counts
 
 PAPER_BUDGET = 60
 RETRIEVAL = "adjacency"
 
 
-class GraftConfig(Eagle3TreeConfig):
+class GraftConfig(Eagle3DrafterConfig):
     checkpoints: list[int] = [0, 1, 5]
     """Pruning checkpoints, as head expansions done before the check (the
     paper's d0, d1, d5: after the root step, after the first and the fifth
@@ -178,7 +175,7 @@ class GraftConfig(Eagle3TreeConfig):
         return max(1, min(budget, round(self.draft_nodes[stage] * budget / PAPER_BUDGET)))
 
 
-class GraftProposer(Eagle3TreeProposer):
+class GraftProposer(Eagle3Drafter):
     name = "graft"
     remembers_outputs = True  # a tenant's adjacency table learns from every verified node
     tenant_aware = True  # adjacency tables and head prefix store keyed by tenant

@@ -39,12 +39,12 @@ from vllm_specplug.config import option_error
 from vllm_specplug.engine.interface import ProposerContext, ProposerStats, StepRequest
 from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder, normalize_tree
-from vllm_specplug.methods.eagle3_tree import Eagle3TreeConfig, Eagle3TreeProposer
+from vllm_specplug.sources.eagle3_drafter import Eagle3Drafter, Eagle3DrafterConfig
 from vllm_specplug.sources.context_index import ContextIndex
 from vllm_specplug.sources.suffix_array import TokenSuffixArray
 
 
-class ReaderConfig(Eagle3TreeConfig):
+class ReaderConfig(Eagle3DrafterConfig):
     datastore: str | None = None
     """Suffix-array datastore folder (``specplug datastore build-sa``) for
     the long-term search; None searches the request's own tokens only."""
@@ -206,7 +206,7 @@ def reader_tree(history: list[int], draft: DraftTree | None, budget: int,
     return (trie.build() if len(trie) else None), added
 
 
-class ReaderProposer(Eagle3TreeProposer):
+class ReaderProposer(Eagle3Drafter):
     name = "reader"
     config_cls = ReaderConfig
 

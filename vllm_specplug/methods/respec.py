@@ -47,14 +47,14 @@ from vllm_specplug.engine.interface import (
 )
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder
 from vllm_specplug.engine.verify import RelaxedRule
-from vllm_specplug.methods.eagle3_tree import Eagle3TreeConfig, Eagle3TreeProposer
+from vllm_specplug.sources.eagle3_drafter import Eagle3Drafter, Eagle3DrafterConfig
 from vllm_specplug.sources.context_index import ContextIndex
 from vllm_specplug.sources.retrieval_gate import PositionScores, choose_key
 
 SOURCE = "retrieval"
 
 
-class RespecConfig(Eagle3TreeConfig):
+class RespecConfig(Eagle3DrafterConfig):
     """The EAGLE-3 head's options (``head``, ``depth``, ``topk``, ...) plus
     ReSpec's. Defaults for the reference model (SmolLM2-135M): see
     ``docs/methods/respec.md`` for how they were chosen."""
@@ -155,7 +155,7 @@ class _Req:
         return win
 
 
-class RespecProposer(Eagle3TreeProposer):
+class RespecProposer(Eagle3Drafter):
     name = "respec"
     config_cls = RespecConfig
 

@@ -1,0 +1,323 @@
+"""Tree verification, the ``verify`` part of a step.
+
+``_prepare_inputs`` gives tree nodes their RoPE positions (``root_pos +
+depth``; slots stay linear, as vLLM computed them) and the attention wrapper
+each tree's ancestor mask. ``_sample`` chooses a path through each tree by
+the target's own distribution (greedy: follow the argmax child; sampling:
+follow child ``c`` with probability ``p(c)/P(children)``), then vLLM's own
+rejection sampler verifies that path as a chain with draft distribution
+``q = p restricted to the children``. Accept probability is then
+``P(children)`` and the residual is ``p`` without the children: exactly the
+lossless tree rule, and vLLM's logprobs, stop handling and bookkeeping stay
+untouched. The accepted path's K/V is then moved to consecutive slots
+(the ``KV move``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+from vllm.v1.structured_output.utils import strip_speculative_padding
+
+from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.engine.verify import (
+    choose_paths,
+    draft_probs_tensor,
+    relaxed_path,
+)
+from vllm_specplug.request_flags import wants_relaxed
+from vllm_specplug.runner.logit_rows import log_softmax_topk, sampled_child_probs
+from vllm_specplug.runner.step_state import StepState, root_rows
+from vllm_specplug.runner.tree_attention import TreeRow, TreeStep, move_accepted_kv
+
+
+def path_chain_metadata(paths, drafts, row_base, device):
+    """vLLM chain metadata for the chosen paths.
+
+    Returns the metadata, the logits rows to gather (``[root, path...]`` per
+    request, the layout vLLM's rejection sampler expects of a chain) and the
+    path tokens.
+    """
+    gather: list[int] = []
+    tokens: list[list[int]] = []
+    for i, path in enumerate(paths):
+        b = int(row_base[i])
+        gather.append(b)
+        gather.extend(b + 1 + j for j in path)
+        tokens.append([drafts[i][j] for j in path])
+    lens = np.asarray([len(p) for p in paths], dtype=np.int64)
+    cu_s = np.cumsum(lens + 1)
+    starts = cu_s - (lens + 1)
+    target = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)])
+
+    def t(x):
+        return torch.as_tensor(np.asarray(x, dtype=np.int32), device=device)
+
+    meta = SpecDecodeMetadata(
+        draft_token_ids=t(sum(tokens, [])),
+        num_draft_tokens=lens.tolist(),
+        cu_num_draft_tokens=t(np.cumsum(lens)),
+        cu_num_sampled_tokens=t(cu_s),
+        target_logits_indices=t(target),
+        bonus_logits_indices=t(starts + lens),
+        logits_indices=t(np.arange(len(gather))),
+    )
+    return meta, torch.as_tensor(gather, device=device), tokens
+
+
+def _no_draft_at_all(meta: SpecDecodeMetadata | None, sampling_metadata) -> bool:
+    """A spec-decode step in which no request has a draft token, and no
+    request asks for logprobs (their layout differs between vLLM's two
+    samplers)."""
+    return (meta is not None and meta.max_spec_len == 0
+            and sampling_metadata.max_num_logprobs is None)
+
+
+def _drafts_per_request(meta: SpecDecodeMetadata) -> list[list[int]]:
+    """Each request's draft tokens, in batch order."""
+    flat = meta.draft_token_ids.tolist()
+    cu = np.concatenate([[0], np.cumsum(meta.num_draft_tokens)])
+    return [flat[cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
+
+
+def _num_real(tokens) -> int:
+    # vLLM pads a new request whose prompt is fully cached with a draft of
+    # -1s (uniform step shapes); that is no draft, whatever vLLM's counters
+    # say.
+    return len(strip_speculative_padding(list(tokens)))
+
+
+def _chain_only(sp) -> bool:
+    """Sampling that vLLM's chain verifier handles with per-path context
+    (penalties, bad words, logits processors, structured output...)."""
+    if sp is None:
+        return True
+    return bool(
+        sp.presence_penalty or sp.frequency_penalty
+        or (sp.repetition_penalty not in (None, 1.0))
+        or sp.bad_words or sp.logit_bias or sp.allowed_token_ids
+        or sp.min_tokens or getattr(sp, "structured_outputs", None)
+        or getattr(sp, "logits_processors", None)
+    )
+
+
+class VerifyMixin:
+    """Tree positions and masks before the forward, tree verification and
+    the KV move after it (see module doc)."""
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        n = self.input_batch.num_reqs
+        qsl = self.query_start_loc.np[: n + 1]
+        drafts = np.zeros(n, dtype=np.int64)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        for rid, toks in spec.items():
+            drafts[self.input_batch.req_id_to_index[rid]] = len(toks)
+        roots = root_rows(qsl, drafts)
+        trees: dict[int, DraftTree] = {}
+        rows: list[TreeRow] = []
+        for rid, toks in spec.items():
+            tree = self._sp_requests.trees.get(rid)
+            m = len(toks)
+            if tree is None or m == 0 or tree.tokens[:m] != list(toks):
+                continue  # no tree, or a stale one: vLLM verifies a chain
+            tree = tree.truncated(m)
+            if tree.is_chain() and not self._sp_relaxable(tree):
+                continue
+            i = self.input_batch.req_id_to_index[rid]
+            s = int(roots[i])
+            # The root's position: tokens computed before this step plus any
+            # rows scheduled ahead of it.
+            c = int(self.input_batch.num_computed_tokens_cpu[i]) + s - int(qsl[i])
+            depths = torch.from_numpy(tree.depths() + c)
+            self.positions[s + 1 : s + 1 + m] = depths.to(self.positions.device)
+            mask = torch.from_numpy(tree.ancestor_mask()[1:])
+            if self.device.type != "cuda":
+                mask = mask.to(self.device)
+            rows.append(TreeRow(s, m, c, i, mask, chain_prefix=tree.chain_prefix()))
+            trees[i] = tree
+        self._sp_state = StepState(trees=trees, root_row=roots,
+                                   attention=TreeStep(rows) if rows else None)
+        return out
+
+    # ------------------------------------------------- verification (trees)
+    def _sample(self, logits, spec_decode_metadata):
+        state = self._sp_state
+        if state is None:  # a dummy/profile run: no _prepare_inputs
+            state = self._sp_state = StepState({}, np.zeros(0, np.int64), None)
+        if spec_decode_metadata is not None:
+            state.logit_rows = np.asarray(spec_decode_metadata.num_draft_tokens,
+                                          dtype=np.int64) + 1
+        else:
+            state.logit_rows = np.ones(self.input_batch.num_reqs, dtype=np.int64)
+        state.logit_base = np.cumsum(state.logit_rows) - state.logit_rows
+        try:
+            if _no_draft_at_all(spec_decode_metadata, self.input_batch.sampling_metadata):
+                # vLLM runs its rejection sampler whenever speculation is
+                # configured, drafts or not (~4% of a batch-8 CPU step):
+                # with no draft in the step the plain sampler gives the same
+                # [requests, 1] tokens (the bonus rows are all the logits)
+                out = super()._sample(logits, None)
+                n_reqs = len(spec_decode_metadata.num_draft_tokens)
+                for i in range(n_reqs):
+                    state.accepted_rows[i] = [0]
+                self._sp_stats.record_chains([0] * n_reqs, [1] * n_reqs)
+            elif spec_decode_metadata is None or not state.trees:
+                out = super()._sample(logits, spec_decode_metadata)
+                if spec_decode_metadata is not None:
+                    acc = (out.sampled_token_ids != -1).sum(-1).tolist()
+                    for i, a in enumerate(acc):
+                        state.accepted_rows[i] = list(range(max(a, 1)))
+                    self._sp_stats.record_chains(
+                        [_num_real(d) for d in _drafts_per_request(spec_decode_metadata)],
+                        acc)
+            else:
+                out = self._sp_sample_trees(logits, spec_decode_metadata, state)
+        finally:
+            state.attention = None
+        if self._sp_budget.will_draft:
+            # Top-k and entropies only serve drafts (a method's tables and
+            # triggers learn from them): a step whose gate is closed drafts
+            # nothing and skips them, so a gated step costs what a plain one
+            # does: `graft`'s top-k of every row and `respec`'s entropies
+            # are a few percent of a batch-8 CPU step, most of what a gated
+            # step of theirs would pay over plain decoding. What they would
+            # have taught is lost:
+            # tables and entropy windows learn again from the next step that
+            # drafts (an exploring one, or the gate open).
+            self._sp_topk(logits, state)
+            self._sp_entropy(logits, state)
+        return out
+
+    def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata, state: StepState):
+        sm = self.input_batch.sampling_metadata
+        n_draft = meta.num_draft_tokens
+        drafts = _drafts_per_request(meta)
+        base = state.logit_base
+        temps = self.input_batch.temperature_cpu[: len(n_draft)]
+        greedy = {i for i, t in enumerate(temps) if sm.all_greedy or t == 0.0}
+        sampled = sorted(i for i in state.trees if i not in greedy)
+        argmax = None
+        if len(sampled) < len(state.trees):
+            argmax = logits.argmax(dim=-1).tolist()
+        walks = None
+        if sampled:
+            walks = sampled_child_probs(logits, state.trees, drafts, sampled, n_draft,
+                                        base, sm)
+        chosen = choose_paths(state.trees, drafts, base, greedy, argmax, walks)
+        relaxed = {}
+        if self._sp_needs.relaxed is not None:
+            relaxed = self._sp_relax(state, drafts, greedy, chosen, logits)
+        path_meta, gather, path_tokens = path_chain_metadata(
+            chosen.paths, drafts, base, logits.device
+        )
+        draft_probs = None
+        if sampled:
+            draft_probs = draft_probs_tensor(chosen.q_rows, logits.shape[-1], logits.device)
+        if sm.spec_token_ids is not None:
+            sm = dataclasses.replace(sm, spec_token_ids=path_tokens)
+        path_logits = logits[gather]
+        if relaxed:
+            # LOSSY (opt-in): make each relaxed token the argmax of the row
+            # that verifies it, so vLLM's greedy verifier accepts it (these
+            # requests were checked to return no logprobs)
+            starts = np.cumsum([len(p) + 1 for p in chosen.paths])
+            for i, ks in relaxed.items():
+                off = int(starts[i]) - len(chosen.paths[i]) - 1
+                for k in ks:
+                    tok = path_tokens[i][k]
+                    row = path_logits[off + k]
+                    row[tok] = row.max() + 1.0
+                    self._sp_stats.relaxed_tokens += 1
+        if any(chosen.paths):
+            out = self.rejection_sampler(path_meta, draft_probs, path_logits, sm)
+        else:
+            # every walk stopped at its root: vLLM's rejection sampler would
+            # get no target row (its top-k fails on an empty tensor); the
+            # plain sampler on the root rows gives the same [requests, 1]
+            # tokens and logprobs
+            out = super()._sample(path_logits, None)
+        accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
+        self._sp_move_kv(state, chosen.paths, accepted)
+        for i, path in enumerate(chosen.paths):
+            state.accepted_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
+        self._sp_stats.record_trees([_num_real(d) for d in drafts], accepted,
+                                    state.trees)
+        return out
+
+    def _sp_relaxable(self, tree: DraftTree) -> bool:
+        """The method's LOSSY relaxed rule may apply to this tree (even a
+        chain then goes through the tree walk, which applies it)."""
+        rule = self._sp_needs.relaxed
+        return (rule is not None and tree.sources is not None
+                and any(s in rule.sources for s in tree.sources))
+
+    def _sp_relax(self, state: StepState, drafts, greedy: set[int], chosen,
+                  logits) -> dict[int, list[int]]:
+        """Re-walk the eligible greedy trees under the relaxed rule
+        (``engine/verify.relaxed_path``); returns request -> path positions
+        whose tokens the rule accepted against the argmax. Eligible: greedy,
+        no logprobs, no sampling constraints (``_chain_only``), and relaxed
+        for this request under the server's ``relaxed_lossy``
+        (``request_flags.wants_relaxed``: a request may opt out, or must
+        opt in)."""
+        rule = self._sp_needs.relaxed
+        mode = self._sp_options.get("relaxed_lossy")
+        todo = []
+        for i, tree in state.trees.items():
+            if i not in greedy or not self._sp_relaxable(tree):
+                continue
+            req = self.requests.get(self.input_batch.req_ids[i])
+            sp = req.sampling_params if req is not None else None
+            if sp is not None and not wants_relaxed(sp.extra_args, mode):
+                self._sp_stats.relaxed_opted_out += 1
+                continue
+            if (sp is None or _chain_only(sp) or sp.logprobs is not None
+                    or sp.prompt_logprobs is not None):
+                self._sp_stats.relaxed_ineligible += 1
+                continue
+            todo.append(i)
+        if not todo:
+            return {}
+        base, n_rows = state.logit_base, state.logit_rows
+        sel = np.concatenate([int(base[i]) + np.arange(int(n_rows[i])) for i in todo])
+        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        vals, ids = log_softmax_topk(logits, rule.beta, idx)
+        vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
+        out, k = {}, 0
+        old = list(chosen.paths)
+        for i in todo:
+            n = int(n_rows[i])
+            path, relaxed = relaxed_path(state.trees[i], drafts[i], rule,
+                                         ids[k:k + n], vals[k:k + n])
+            k += n
+            chosen.paths[i] = path
+            if relaxed:
+                out[i] = [path.index(c) for c in relaxed]
+        # keep the flat draft rows aligned with the (possibly longer) paths
+        q_rows, k = [], 0
+        for i, path in enumerate(old):
+            seg = chosen.q_rows[k:k + len(path)]
+            k += len(path)
+            q_rows.extend([drafts[i][j] for j in chosen.paths[i]] if i in todo else seg)
+        chosen.q_rows = q_rows
+        return out
+
+    def _sp_move_kv(self, state: StepState, paths, accepted) -> None:
+        """The accepted path's K/V to the slots of consecutive positions, from
+        the cache's own slots (node j was written at depth-order row j+1)."""
+        step = state.attention
+        if step is None:
+            return
+        src, dst = [], []
+        for r in step.rows:
+            for k, j in enumerate(paths[r.req_index][: accepted[r.req_index]]):
+                if j != k:  # node j sits in the slot of row j+1, not k+1
+                    src.append(r.row_start + 1 + j)
+                    dst.append(r.row_start + 1 + k)
+        self._sp_stats.kv_moves += len(src)
+        move_accepted_kv(step, src, dst, self._sp_target.head_size, self._sp_target.kv_layout)
