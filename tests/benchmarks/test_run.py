@@ -340,6 +340,16 @@ def test_parse_args_defaults_and_options(tmp_path):
         run.parse_args(["--method-options", "[1]"])
 
 
+def test_code_labels_a_method_with_another_checkout(tmp_path):
+    other = tmp_path / "before"
+    (other / "vllm_specplug").mkdir(parents=True)
+    args = run.parse_args(["--methods", "pld@before,pld", "--code", f"pld@before={other}"])
+    assert args.code_dirs == {"pld@before": str(other.resolve())}
+    for bad in (f"pld@after={other}", f"pld@before={tmp_path / 'missing'}", "pld@before"):
+        with pytest.raises(SystemExit):
+            run.parse_args(["--methods", "pld@before,pld", "--code", bad])
+
+
 def test_suites(tmp_path, monkeypatch):
     spec = suites.load("specbench")
     assert len(spec.texts) == 480
