@@ -15,6 +15,17 @@ from vllm_specplug.runner.logit_rows import topk_probs as _topk_probs
 from vllm_specplug.runner.step_state import RequestPlan, StepState
 
 
+
+def _selected_rows(want: list[int], logits) -> tuple[torch.Tensor, np.ndarray]:
+    """The distinct logits rows in ``want`` (on the logits' device) and, per
+    row of the step, its position among them (-1: not selected)."""
+    n_rows = logits.shape[0]
+    sel = np.unique(np.asarray(want, dtype=np.int64))
+    sel = sel[sel < n_rows]
+    where = np.full(n_rows, -1, dtype=np.int64)
+    where[sel] = np.arange(len(sel))
+    return torch.as_tensor(sel).to(logits.device, non_blocking=True), where
+
 class CaptureMixin:
     """Top-k, entropy and hidden-state capture (see module doc)."""
 
@@ -23,17 +34,12 @@ class CaptureMixin:
         accepted path), from the raw logits: only when a method asks."""
         if not self._sp_needs.entropy or logits is None:
             return
-        n_rows = logits.shape[0]
         skip = self._sp_silent_rows()
         want = [int(base) + r for i, base in enumerate(state.logit_base) if i not in skip
                 for r in state.accepted_rows.get(i, [0])]
         if not want:
             return
-        sel = np.unique(np.asarray(want, dtype=np.int64))
-        sel = sel[sel < n_rows]
-        where = np.full(n_rows, -1, dtype=np.int64)
-        where[sel] = np.arange(len(sel))
-        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        idx, where = _selected_rows(want, logits)
         state.entropy = (_entropy(logits, idx), where)
 
     def _sp_topk(self, logits, state: StepState) -> None:
@@ -43,7 +49,6 @@ class CaptureMixin:
         k = max(needs.topk, 8 if needs.tree_topk else 0)
         if not k or logits is None:
             return
-        n_rows = logits.shape[0]
         n_per = state.logit_rows
         want = []
         skip = self._sp_silent_rows()
@@ -55,11 +60,7 @@ class CaptureMixin:
             want.extend(int(base) + r for r in rel)
         if not want:
             return
-        sel = np.unique(np.asarray(want, dtype=np.int64))
-        sel = sel[sel < n_rows]
-        where = np.full(n_rows, -1, dtype=np.int64)
-        where[sel] = np.arange(len(sel))
-        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        idx, where = _selected_rows(want, logits)
         vals, ids = _topk_probs(logits, k, idx)
         state.topk = (ids, vals, where)
 
