@@ -6,6 +6,7 @@ bookkeeping (``_update_states``) survives raising ``add_request`` /
 (The engine-level checks are in tests/serving/test_request_control.py.)"""
 
 from __future__ import annotations
+from tests.helpers.fake_vllm_runner import FakeVllmRunner
 
 from types import SimpleNamespace
 
@@ -142,19 +143,7 @@ def test_hook_faults_count_towards_the_streak():
 
 
 # ------------------------------------------------------------ the runner
-class _Base:
-    """What the mixin's ``_update_states`` calls of vLLM's runner."""
-
-    def _update_states(self, scheduler_output):
-        for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.req_id] = SimpleNamespace(sampling_params=new.sampling_params)
-        for rid in scheduler_output.finished_req_ids:
-            self.requests.pop(rid, None)
-        self.input_batch.req_ids = list(self.requests)
-        return "vllm's"
-
-
-class _Runner(SpecplugRunnerMixin, _Base):
+class _Runner(SpecplugRunnerMixin, FakeVllmRunner):
     pass
 
 

@@ -5,6 +5,7 @@ so a chunk that opts out of speculation leaves nothing behind, and a later
 chunk that opts in again starts afresh."""
 
 from __future__ import annotations
+from tests.helpers.fake_vllm_runner import FakeVllmRunner
 
 from types import SimpleNamespace
 
@@ -33,19 +34,7 @@ class Live(PLDProposer):
         self.live.discard(rid)
 
 
-class _VllmRunner:
-    """vLLM's side of ``_update_states``: a new request whose id it tracks
-    already is a streaming session's next chunk, updated in place."""
-
-    def _update_states(self, scheduler_output):
-        for new in scheduler_output.scheduled_new_reqs:
-            self.requests[new.req_id] = SimpleNamespace(sampling_params=new.sampling_params)
-        for rid in scheduler_output.finished_req_ids:
-            self.requests.pop(rid, None)
-        self.input_batch.req_ids = list(self.requests)
-
-
-class _Runner(SpecplugRunnerMixin, _VllmRunner):
+class _Runner(SpecplugRunnerMixin, FakeVllmRunner):
     pass
 
 

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-from collections import Counter
 
 import numpy as np
 import pytest
 
+from tests.helpers.next_tokens import brute_next_tokens
 from vllm_specplug.sources.suffix_array import TokenSuffixArray, token_dtype
 
 
-def _brute(docs, key):
-    c = Counter()
-    k = len(key)
-    for d in docs:
-        for i in range(len(d) - k):
-            if list(d[i : i + k]) == list(key):
-                c[d[i + k]] += 1
-    return c
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -31,7 +23,7 @@ def test_counts_match_brute_force(seed):
     for _ in range(40):
         key = rng.integers(0, min(vocab, 6), rng.integers(1, 5)).tolist()
         ids, counts = store.next_token_counts(key)
-        want = _brute(docs, key)
+        want = brute_next_tokens(docs, key)
         assert dict(zip(ids.tolist(), counts.tolist())) == dict(want)
         # most frequent first, ties by smaller id
         pairs = list(zip((-counts).tolist(), ids.tolist()))

@@ -3,22 +3,14 @@ rows, and the counts it returns agree with a brute-force count."""
 
 from __future__ import annotations
 
-from collections import Counter
 
 import numpy as np
 import pytest
 
+from tests.helpers.next_tokens import brute_next_tokens
 from vllm_specplug.sources.suffix_array import TokenSuffixArray
 
 
-def _brute(docs, key) -> Counter:
-    c: Counter = Counter()
-    k = len(key)
-    for d in docs:
-        for i in range(len(d) - k):
-            if list(d[i : i + k]) == list(key):
-                c[d[i + k]] += 1
-    return c
 
 
 class _CountingStore(TokenSuffixArray):
@@ -47,7 +39,7 @@ def test_a_key_with_many_hits_reads_a_bounded_number_of_rows():
     ids, counts = store.next_token_counts([7], max_rows=256)
     # 256 samples, then two binary searches of ~log2(100000/256) steps per run end
     assert store.rows_read <= 256 + 2 * 4 * 10
-    want = _brute(docs, [7])
+    want = brute_next_tokens(docs, [7])
     assert dict(zip(ids.tolist(), counts.tolist())) == dict(want)  # every run >= stride
     assert ids.tolist() == [1, 2, 3, 4, 5]
     store.rows_read = 0
@@ -66,7 +58,7 @@ def test_capped_counts_against_brute_force(seed):
     for _ in range(30):
         key = rng.integers(0, 6, int(rng.integers(1, 3))).tolist()
         cap = int(rng.integers(2, 40))
-        want = _brute(docs, key)
+        want = brute_next_tokens(docs, key)
         got = dict(zip(*(a.tolist() for a in store.next_token_counts(key, max_rows=cap))))
         rows = sum(want.values()) + sum(1 for d in docs for i in range(len(d) - len(key) + 1)
                                         if d[i : i + len(key)] == key and i + len(key) == len(d))
