@@ -77,6 +77,7 @@ def test_reference_model_second_start_under_30s(ref_model, tmp_path):
     assert other["compiles"] == 1  # its own cache entry (kernels reused)
 
 
+@pytest.mark.slow  # seconds of start-up, not correctness; test_compile_hash.py checks the key
 def test_option_changes_share_the_compiled_model(tiny_model, tmp_path):
     """A specplug method's options do not change the target's graph, so
     another tree size or option value loads the model the first start

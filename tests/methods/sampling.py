@@ -3,9 +3,8 @@ one prompt through a method's trees, fitted to the target's own laws.
 
 One engine per method. It samples ``n`` short continuations of the prompt
 with trees pinned on (every step verifies the method's tree), then reads
-back, for every sample, the target's exact law of each of its tokens
-(``prompt_logprobs`` of the sample as a prompt: prefill only, which no draft
-touches). The tokens at positions 1.. are the ones tree verification
+the target's exact law of each of the samples' tokens from Hugging Face's
+implementation of the same weights (no draft, no vLLM code). The tokens at positions 1.. are the ones tree verification
 produced; ``rank_fit`` tests their ranks in their own laws (chi-square).
 Exact laws instead of a second, plain sample: no reference noise, one engine
 start instead of two, and 200 samples catch a tree rule that favours likely
@@ -38,22 +37,32 @@ def sample(llm, prompt, n, seed0, max_tokens=3):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def token_laws(llm, prompt: list[int], samples: list[list[int]], positions) -> tuple:
+def token_laws(model: str, prompt: list[int], samples: list[list[int]], positions) -> tuple:
     """``(tokens, laws)``: each sample's token at ``positions`` and the
     target's law of it after ``prompt`` + the sample's earlier tokens
-    (``{token: p}``, the ``TOP_LOGPROBS`` likeliest and the token itself)."""
-    from vllm import SamplingParams, TokensPrompt
+    (``{token: p}``, the ``TOP_LOGPROBS`` likeliest).
 
-    params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=TOP_LOGPROBS)
+    Read from Hugging Face's own implementation of the model in float32, not
+    from vLLM: a reference outside the code under test, and cheap (the prompt
+    runs once; its cache is shared by every sample's few tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     last = max(positions)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt + s[:last + 1]) for s in samples],
-                        params, use_tqdm=False)
+    with torch.no_grad():
+        cache = hf(torch.tensor([prompt]), use_cache=True).past_key_values
+        cache.batch_repeat_interleave(len(samples))
+        ids = torch.tensor([s[:last] for s in samples])
+        at = torch.arange(len(prompt), len(prompt) + last).expand(len(samples), -1)
+        logits = hf(ids, past_key_values=cache, position_ids=at).logits  # [n, last, vocab]
+        probs = torch.softmax(logits[:, [pos - 1 for pos in positions]], dim=-1)
+        top_p, top_t = probs.topk(TOP_LOGPROBS, dim=-1)
     tokens, laws = [], []
-    for s, out in zip(samples, outs):
-        for pos in positions:
-            law = out.prompt_logprobs[len(prompt) + pos]
+    for i, s in enumerate(samples):
+        for j, pos in enumerate(positions):
             tokens.append(s[pos])
-            laws.append({int(t): math.exp(lp.logprob) for t, lp in law.items()})
+            laws.append(dict(zip(top_t[i, j].tolist(), top_p[i, j].tolist())))
     return tokens, laws
 
 
@@ -74,11 +83,14 @@ def check_sampling_keeps_distribution(model: str, spec: dict, text: str, n: int 
     # whole prompts per step: vLLM 0.32's CPU runner crashes when it discards
     # a seeded request's partial-prefill sample ("CPU Generator does not use
     # offset"), so no prompt may be split across steps
-    opts = dict(max_model_len=1024, max_num_seqs=4096 // (len(prompt) + 16))
+    opts = dict(max_model_len=1024, max_num_seqs=4096 // (len(prompt) + 16),
+                # blocks of 32 let later waves of samples reuse the prompt's
+                # cached KV (vLLM's CPU default of 128 exceeds the prompt)
+                block_size=32)
     with engine(model, spec, **opts) as llm:
         samples = sample(llm, prompt, n, 10_000, max_tokens)
         stats = llm.collective_rpc("specplug_stats")[0]
-        tokens, laws = token_laws(llm, prompt, samples, positions)
+    tokens, laws = token_laws(model, prompt, samples, positions)
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
     fit: Fit = rank_fit(tokens, laws)
     assert fit.tested == n * len(positions), fit
