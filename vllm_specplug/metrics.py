@@ -100,11 +100,35 @@ def valid_counters(raw) -> dict[str, int]:
             and type(v) is int and 0 <= v < _MAX_COUNT}
 
 
+SOURCE_SERIES = {
+    "source_nodes": ("specplug:source_nodes", "Draft tree nodes verified, by the node's source"),
+    "source_accepted": ("specplug:source_accepted_tokens",
+                        "Accepted draft tokens, by the source of the node that earned them"),
+}
+"""``TreeStats`` dicts by source name (``DraftTree.sources``), exported as one
+labelled counter each. They travel as ``<series>__<source>`` counters."""
+_SOURCE_SEP = "__"
+_MAX_SOURCES = 32  # label values per series: a method names a few sources
+
+
+def source_label(source: str) -> str:
+    """A source name as a metric-safe label (and counter-key) part."""
+    return re.sub(r"[^a-z0-9_]", "_", str(source).lower())[:40] or "none"
+
+
 def worker_counters(stats) -> dict[str, int]:
     """Every integer counter of the runner's ``TreeStats`` (new ones included
-    without a change here), minus the rank-local ones."""
-    return {k: v for k, v in vars(stats).items()
-            if type(v) is int and k not in RANK_LOCAL}
+    without a change here), minus the rank-local ones, plus the per-source
+    counts (``SOURCE_SERIES``, the first ``_MAX_SOURCES`` sources each)."""
+    out = {k: v for k, v in vars(stats).items() if type(v) is int and k not in RANK_LOCAL}
+    for series in SOURCE_SERIES:
+        by_source = getattr(stats, series, None)
+        if not isinstance(by_source, dict):
+            continue
+        for source, n in list(by_source.items())[:_MAX_SOURCES]:
+            key = f"{series}{_SOURCE_SEP}{source_label(source)}"
+            out[key] = out.get(key, 0) + int(n)
+    return out
 
 
 class WorkerCounters:
@@ -293,6 +317,7 @@ class SpecplugStatLogger(StatLoggerBase):
         for c in (self.trees, self.nodes, self.depth):
             c.labels(self.method)  # exported from start-up, at 0
         self._worker: dict[str, Counter | None] = {}
+        self._sources: dict[str, set[str]] = {}  # per source series: labels exported
         for name in WORKER_COUNTER_DOCS:
             self._worker_counter(name)
 
@@ -323,9 +348,21 @@ class SpecplugStatLogger(StatLoggerBase):
         if self.method is None:
             return
         for name, step in increments.items():
+            series, sep, source = name.partition(_SOURCE_SEP)
+            if sep and series in SOURCE_SERIES:
+                self._count_source(series, source, step)
+                continue
             counter = self._worker_counter(name)
             if counter is not None:
                 counter.labels(self.method).inc(step)
+
+    def _count_source(self, series: str, source: str, step: int) -> None:
+        seen = self._sources.setdefault(series, set())
+        if source not in seen and len(seen) >= _MAX_SOURCES:
+            return
+        seen.add(source)
+        name, doc = SOURCE_SERIES[series]
+        _counter(name, doc, ["source"]).labels(self.method, source).inc(step)
 
     def _worker_counter(self, name: str) -> Counter | None:
         """``specplug:<name>``, created on first use (None: a name that would

@@ -36,6 +36,7 @@ _METHODS: dict[str, str] = {
     "respec": "vllm_specplug.methods.respec:RespecProposer",
     "reader": "vllm_specplug.methods.reader:ReaderProposer",
     "suffix_tree": "vllm_specplug.methods.suffix_tree:SuffixTreeProposer",
+    "auto": "vllm_specplug.methods.auto:AutoProposer",
 }
 SHIPPED: tuple[str, ...] = tuple(sorted(_METHODS))
 """The methods this package ships (``register`` may add others at run time)."""

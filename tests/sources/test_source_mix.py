@@ -1,0 +1,69 @@
+"""SourceMix: judging a tree against what the target produced, learning a
+factor per source from it, and merging trees by calibrated chance. Expected
+values are worked by hand from the trees written here."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.sources.source_mix import SourceMix, judge
+
+
+def test_judge_marks_right_wrong_and_unknown():
+    # root -> 5 -> 6 -> 7 ; root -> 9 -> 10
+    tree = DraftTree([5, 6, 7, 9, 10], [-1, 0, 1, -1, 3])
+    # the target produced 5, 6 (two tokens known)
+    assert judge(tree, [5, 6]) == [True, True, None, False, False]
+    assert judge(tree, [5, 8, 1]) == [True, False, False, False, False]
+    assert judge(tree, []) == [None, None, None, None, None]
+
+
+def test_merge_keeps_the_likeliest_nodes_rooted_and_best_path_first():
+    mix = SourceMix()
+    copy = DraftTree([1, 2, 3], [-1, 0, 1], scores=[0.9, 0.8, 0.7])
+    head = DraftTree([1, 4, 5], [-1, 0, -1], scores=[0.6, 0.5, 0.3])
+    tree = mix.merge("r", [("copy", copy), ("head", head)], budget=4, history_len=10)
+    # union: 1(0.9, copy) {2(0.8) {3(0.7)}, 4(0.5)}, 5(0.3): four best are 1, 2, 3, 4
+    assert tree.tokens == [1, 2, 3, 4]
+    assert tree.parents == [-1, 0, 1, 0]
+    assert tree.sources == ["copy", "copy", "copy", "head"]
+    assert tree.scores == pytest.approx([0.9, 0.8, 0.7, 0.5])
+
+
+def test_a_shared_node_keeps_the_likelier_sources_name():
+    mix = SourceMix()
+    weak = DraftTree([7], [-1], scores=[0.2])
+    strong = DraftTree([7, 8], [-1, 0], scores=[0.6, 0.4])
+    tree = mix.merge("r", [("weak", weak), ("strong", strong)], budget=8, history_len=0)
+    assert tree.tokens == [7, 8] and tree.sources == ["strong", "strong"]
+
+
+def test_factors_learn_per_source_and_per_request():
+    mix = SourceMix(request_weight=4.0, source_weight=8.0, half_life=1e9)
+    for step in range(20):
+        a = DraftTree([1], [-1], scores=[0.5])
+        b = DraftTree([2], [-1], scores=[0.5])
+        mix.merge("r", [("a", a), ("b", b)], budget=2, history_len=step)
+        # the target produced 1: source a was right every time, b never
+        got = mix.observe("r", list(range(step)) + [1])
+        assert got == {"a": (0.5, 1), "b": (0.5, 0)}
+    # a: realised 20 against claims of 10, shrunk toward 1 by 8 claims' weight
+    base_a = (20 + 8) / (10 + 8)
+    assert mix.factor("other", "a") == pytest.approx(base_a)
+    assert mix.factor("r", "a") == pytest.approx((20 + base_a * 4) / (10 + 4))
+    assert mix.factor("r", "b") == pytest.approx((0 + 8 / 18 * 4) / (10 + 4))
+    # calibrated: a's claim 0.5 doubles (capped at 1), b's falls
+    tree = mix.merge("r", [("b", DraftTree([2], [-1], scores=[0.5])),
+                           ("a", DraftTree([1], [-1], scores=[0.5]))], budget=1,
+                     history_len=0)
+    assert tree.tokens == [1]
+
+
+def test_observe_uses_the_sources_own_claims_not_the_calibrated_ones():
+    mix = SourceMix(half_life=1e9)
+    mix.sources.clear()
+    for step in range(5):
+        mix.merge("r", [("a", DraftTree([1], [-1], scores=[0.4]))], budget=1,
+                  history_len=step)
+        assert mix.observe("r", [0] * step + [1]) == {"a": (0.4, 1)}

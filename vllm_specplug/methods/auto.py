@@ -1,0 +1,312 @@
+"""`auto`: every source the engine has, weighed per request.
+
+Each step, each request's tree is drafted from several sources at once:
+
+* ``copy<n>``: the continuations of the context's longest suffix match in
+  the request's own tokens (prompt lookup; ``n`` the match length, capped
+  at 4), claimed by ``sources/copy_path.py``'s prior for that length;
+* ``suffix``: the suffix trees over the request and over earlier responses
+  of its tenant (SuffixDecoding, ``sources/suffix_cache.py``; ``isolation``
+  decides whose), claimed by their count shares;
+* ``head``: the EAGLE-3 head's tree where the target has a head
+  (``sources/eagle3_drafter.py``), claimed by its probabilities.
+
+``sources/source_mix.py`` learns, per source and per request, how far the
+claims hold (from what the target then produced), merges the trees on that
+one scale and keeps the likeliest ``num_speculative_tokens`` nodes; the
+engine's cost-aware budget then cuts the tree to what pays this step, as
+for every method. Which source paid shows per source in the method's stats
+and on ``/metrics`` (the runner counts accepted tokens by node name).
+
+The head is the one source with a cost of its own (a head pass per depth).
+A request asks for it while what it adds pays: the head's accepted nodes
+per head step (only those no cheaper source also drafted, which keep the
+cheaper source's name) times ``token_seconds`` against the head's measured
+time per request, shrunk toward all requests' while a request has little
+evidence; a request that stops asking tries again every
+``head_explore_every`` steps. Verified rows still feed the head's state, in
+one batched pass when a draft is next asked (the drafter holds them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from vllm_specplug.config import SpecplugConfigError, missing_option
+from vllm_specplug.engine.interface import (
+    Needs,
+    Proposer,
+    ProposerContext,
+    ProposerStats,
+    StepRequest,
+)
+from vllm_specplug.engine.tree import DraftTree
+from vllm_specplug.sources import suffix_cache
+from vllm_specplug.sources.copy_path import CopyConfidence
+from vllm_specplug.sources.eagle3_drafter import Eagle3Drafter, Eagle3DrafterConfig
+from vllm_specplug.sources.ngram import match
+from vllm_specplug.sources.source_mix import SourceMix
+from vllm_specplug.sources.suffix_cache import TenantSuffixCaches
+
+logger = logging.getLogger(__name__)
+
+
+class AutoConfig(Eagle3DrafterConfig):
+    use_head: Literal["auto", "always", "never"] = "auto"
+    """The EAGLE-3 head as a source: ``auto`` where the target has a head
+    (``head``, or one shipped for its shape), asked per request while it
+    pays; ``always`` asks it for every request and fails at start-up
+    without a head; ``never`` drafts from the model-free sources only."""
+    head_explore_every: int = Field(default=8, ge=1)
+    """A request that stopped asking the head (it did not pay) asks again
+    after this many steps, to see whether it pays now."""
+    prompt_lookup_max: int = Field(default=4, ge=1, le=64)
+    """Longest context suffix (tokens) the copy source matches."""
+    copy_branches: int = Field(default=2, ge=1, le=16)
+    """Continuations of the match (distinct first tokens) the copy source
+    drafts."""
+    suffix: bool = True
+    """Draft from suffix trees (needs the ``arctic-inference`` package;
+    without it the source is off and a warning says so)."""
+    max_tree_depth: int = Field(default=24, ge=1, le=1024)
+    """The suffix trees' depth: longest match and deepest suffix draft."""
+    max_cached_requests: int = Field(default=10000, ge=0)
+    """Earlier responses the suffix trees keep, all tenants together
+    (0: each request's own tokens only)."""
+    max_cached_tokens: int | None = Field(default=1 << 22, ge=0)
+    """Response tokens the suffix trees keep, all tenants together (about
+    350 bytes of host memory each); None: bounded by
+    ``max_cached_requests`` alone."""
+    max_tenants: int = Field(default=64, ge=1)
+    """Tenants that keep suffix trees of earlier responses (LRU)."""
+    min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
+    """Suffix nodes whose count share along their path is below this are
+    not drafted."""
+
+
+class AutoProposer(Proposer):
+    name = "auto"
+    config_cls = AutoConfig
+    remembers_outputs = True  # the suffix trees of earlier responses
+    tenant_aware = True  # kept per tenant; the head's prefix store too
+
+    def __init__(self, config: AutoConfig, ctx: ProposerContext) -> None:
+        super().__init__(config, ctx)
+        self.head = _open_head(config, ctx)
+        self.suffix = None
+        if config.suffix and suffix_cache.available():
+            self.suffix = TenantSuffixCaches(config.max_tree_depth, config.max_cached_requests,
+                                             config.max_tenants, config.max_cached_tokens)
+        elif config.suffix:
+            logger.warning("specplug auto: the suffix source is off (arctic-inference "
+                           "is not installed)")
+        self.copy = CopyConfidence()
+        self.mix = SourceMix()
+        self.head_use = _HeadUse(config.head_explore_every)
+        self._counts: dict[str, int] = {}
+        self._asked_head: set[str] = set()  # requests whose last tree the head drafted for
+
+    def needs(self) -> Needs:
+        return self.head.needs() if self.head is not None else Needs()
+
+    def add_request(self, req_id: str) -> None:
+        if self.head is not None:
+            self.head.add_request(req_id)
+        if self.suffix is not None:
+            self.suffix.stop(req_id)  # a request seen again is fed from its prompt
+
+    def remove_request(self, req_id: str) -> None:
+        if self.head is not None:
+            self.head.remove_request(req_id)
+        if self.suffix is not None:
+            self.suffix.stop(req_id)
+        self.mix.remove_request(req_id)
+        self.head_use.remove_request(req_id)
+        self._asked_head.discard(req_id)
+
+    def catch_up_rows(self, req_id: str, new_rows: int) -> int:
+        return self.head.catch_up_rows(req_id, new_rows) if self.head is not None else 0
+
+    def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        for r in batch:
+            if r.sampled:
+                self._learn(r)
+        heads = self._head_trees(batch)
+        out: list[DraftTree | None] = [None] * len(batch)
+        for i in self.deadline.order(batch):
+            r = batch[i]
+            if not r.sampled or r.budget <= 0:
+                continue
+            drafts = [("head", heads[i])] if heads[i] is not None else []
+            if self.deadline.allows(r.req_id):  # past it: the head's tree alone
+                drafts += self._lookups(r)
+            tree = self.mix.merge(r.req_id, drafts, r.budget, len(r.token_ids))
+            if tree is not None and r.chain_only:
+                tree = tree.first_path()
+            out[i] = tree
+            self._count("trees", tree is not None)
+        return out
+
+    def _learn(self, r: StepRequest) -> None:
+        """The request's last tree judged, the head's value updated; the
+        suffix trees fed every step, drafting or not."""
+        judged = self.mix.observe(r.req_id, r.token_ids)
+        for source, (_, accepted) in judged.items():
+            self._count(f"{source}_accepted", accepted)
+        if r.req_id in self._asked_head and judged:
+            # head nodes a cheaper source also drafted carry that source's
+            # name: what is left is what the head added
+            self.head_use.observe(r.req_id, judged.get("head", (0.0, 0))[1])
+        if self.suffix is not None:
+            self.suffix.sync(r.req_id, r.tenant, r.token_ids, r.num_prompt_tokens)
+
+    def _head_trees(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        """The head's trees (claims: probabilities) for the requests that
+        ask it this step; every request's verified rows feed (or are held
+        for) the head's state."""
+        if self.head is None:
+            return [None] * len(batch)
+        always = self.config.use_head == "always"
+        asks = [r.sampled and r.budget > 0 and (always or self.head_use.asks(r))
+                for r in batch]
+        # a request that does not ask holds its rows (budget 0) until it does
+        fed = [r if ask or not r.sampled else dataclasses.replace(r, budget=0)
+               for r, ask in zip(batch, asks)]
+        t0 = time.perf_counter()
+        self.head.extend(fed)
+        trees = self.head.draft(fed, [r.budget if a else 0 for r, a in zip(fed, asks)])
+        self.head_use.cost(time.perf_counter() - t0, sum(asks))
+        self._asked_head = {r.req_id for r, a in zip(batch, asks) if a}
+        self._count("head_asked", sum(asks))
+        self._count("head_skipped", sum(r.sampled and r.budget > 0 for r in batch) - sum(asks))
+        return [None if t is None else _probabilities(t) for t in trees]
+
+    def _lookups(self, r: StepRequest) -> list[tuple[str, DraftTree]]:
+        """The model-free sources' trees for ``r``."""
+        cfg: AutoConfig = self.config
+        out = []
+        n, begins = match(r.token_ids, 1, cfg.prompt_lookup_max,
+                          1 if r.chain_only else cfg.copy_branches)
+        if begins:
+            out.append((f"copy{min(n, 4)}", self._copy_tree(r.token_ids, n, begins, r.budget)))
+        if self.suffix is not None:
+            tree = self.suffix.draft(r.req_id, r.token_ids, r.budget,
+                                     tree=not r.chain_only, min_token_prob=cfg.min_token_prob)
+            if tree is not None:
+                out.append(("suffix", tree))
+        for source, _ in out:
+            self._count(f"{source}_drafts", 1)
+        return out
+
+    def _copy_tree(self, tokens: np.ndarray, n: int, begins: list[int],
+                   budget: int) -> DraftTree:
+        """Each continuation as a path under the root, claimed by the copy
+        prior for a match of ``n`` tokens (later continuations at half)."""
+        out_tokens, parents, scores = [], [], []
+        for k, b in enumerate(begins):
+            cont = tokens[b:b + budget].tolist()
+            claims = self.copy.scores(n, len(cont), scale=0.5 ** k)
+            for j, (tok, claim) in enumerate(zip(cont, claims)):
+                parents.append(-1 if j == 0 else len(out_tokens) - 1)
+                out_tokens.append(int(tok))
+                scores.append(claim)
+        return DraftTree(out_tokens, parents, scores=scores)
+
+    def _count(self, key: str, n: int | bool) -> None:
+        self._counts[key] = self._counts.get(key, 0) + int(n)
+
+    def stats(self) -> ProposerStats:
+        """Drafts and accepted nodes per source, head asks and skips, and
+        each source's calibration factor over all requests."""
+        s = ProposerStats(counters=dict(self._counts))
+        if self.head is not None:
+            h = self.head.stats()
+            s.counters.update({f"head_{k}": v for k, v in h.counters.items()})
+            s.gauges.update({f"head_{k}": v for k, v in h.gauges.items()})
+        if self.suffix is not None:
+            s.gauges["suffix_cached_responses"] = self.suffix.cached
+            s.gauges["suffix_cached_tokens"] = self.suffix.cached_tokens
+        s.counters["deadline_skips"] = self.deadline.skipped
+        s.gauges["factors"] = {k: round(self.mix.factor("", k), 3) for k in self.mix.sources}
+        return s
+
+
+def _open_head(config: AutoConfig, ctx: ProposerContext) -> Eagle3Drafter | None:
+    """The head source, or None: ``use_head`` never, or auto without a head."""
+    from vllm_specplug.eagle3 import default_head_for
+
+    if config.use_head == "never":
+        return None
+    if config.head is None and default_head_for(ctx.model_path) is None:
+        if config.use_head == "always":
+            raise missing_option("head", "auto", f"use_head is 'always' and specplug ships "
+                                                 f"no EAGLE-3 head for {ctx.model_path}")
+        return None
+    if ctx.embed_tokens is None:
+        if config.use_head == "always":
+            raise SpecplugConfigError("method 'auto' with use_head 'always' needs the "
+                                      "target's input embeddings, which this model does "
+                                      "not expose")
+        return None
+    return Eagle3Drafter(config, ctx)
+
+
+def _probabilities(tree: DraftTree) -> DraftTree:
+    """A head tree with its cumulative log-probabilities as probabilities."""
+    scores = None if tree.scores is None else [float(np.exp(s)) for s in tree.scores]
+    if scores is None:
+        scores = [0.5] * len(tree)
+    return DraftTree(tree.tokens, tree.parents, scores=scores, sources=None)
+
+
+class _HeadUse:
+    """Whether a request asks the head this step: while the head's extra
+    accepted nodes per head step, times what an accepted token saves,
+    exceed what the head costs a request (see the module docstring)."""
+
+    def __init__(self, explore_every: int, weight: float = 4.0, decay: float = 0.9) -> None:
+        self.explore_every = explore_every
+        self.weight = weight
+        """Head steps after which a request's own record weighs as much as
+        all requests'."""
+        self.decay = decay
+        self.gain = [0.0, 0.0]  # all requests: decayed (accepted, head steps)
+        self.requests: dict[str, list[float]] = {}  # accepted, steps, steps since asked
+        self.seconds = [0.0, 0.0]  # decayed (head seconds, requests asked)
+
+    def remove_request(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def observe(self, req_id: str, accepted: int) -> None:
+        """``accepted``: nodes the head added to the request's last tree
+        that the target produced."""
+        mine = self.requests.setdefault(req_id, [0.0, 0.0, 0])
+        mine[0], mine[1] = mine[0] * self.decay + accepted, mine[1] * self.decay + 1
+        self.gain[0] = self.gain[0] * 0.999 + accepted
+        self.gain[1] = self.gain[1] * 0.999 + 1
+
+    def cost(self, seconds: float, asked: int) -> None:
+        if asked:
+            self.seconds[0] = self.seconds[0] * 0.99 + seconds
+            self.seconds[1] = self.seconds[1] * 0.99 + asked
+
+    def asks(self, r: StepRequest) -> bool:
+        mine = self.requests.setdefault(r.req_id, [0.0, 0.0, 0])
+        if r.token_seconds <= 0 or not self.seconds[1]:
+            return True  # nothing measured yet: the head's value is unknown
+        prior = (self.gain[0] + 0.5) / (self.gain[1] + 1.0)
+        per_step = (mine[0] + prior * self.weight) / (mine[1] + self.weight)
+        if per_step * r.token_seconds >= self.seconds[0] / self.seconds[1]:
+            mine[2] = 0
+            return True
+        mine[2] += 1
+        if mine[2] >= self.explore_every:
+            mine[2] = 0
+            return True
+        return False
