@@ -80,6 +80,10 @@ METHOD_RUNS = (
     Run("respec_relaxed.json", "`respec` relaxed verification (lossy by design)",
         "A grid of relaxed margins (`respec@tT-mM`: `relaxed_tau_nats` T, `relaxed_m` M); "
         "the identical column is the share of outputs that still match plain decoding."),
+    Run("runner_split_before_after.json", "The runner in named parts: before against after",
+        "`plain`, `pld` and `respec` from the last commit before the runner was split into "
+        "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "
+        "same methods now, in one paired run: the split must not cost step time."),
 )
 
 VERIFY_COST = (
