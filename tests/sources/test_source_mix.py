@@ -10,12 +10,12 @@ from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.sources.source_mix import SourceMix, judge
 
 
-def test_judge_marks_right_wrong_and_unknown():
+def test_judge_marks_nodes_under_a_right_parent_only():
     # root -> 5 -> 6 -> 7 ; root -> 9 -> 10
     tree = DraftTree([5, 6, 7, 9, 10], [-1, 0, 1, -1, 3])
-    # the target produced 5, 6 (two tokens known)
-    assert judge(tree, [5, 6]) == [True, True, None, False, False]
-    assert judge(tree, [5, 8, 1]) == [True, False, False, False, False]
+    # the target produced 5, 6 (two tokens known): 7 lies past them, 10 below a wrong node
+    assert judge(tree, [5, 6]) == [True, True, None, False, None]
+    assert judge(tree, [5, 8, 1]) == [True, False, None, False, None]
     assert judge(tree, []) == [None, None, None, None, None]
 
 
@@ -24,19 +24,44 @@ def test_merge_keeps_the_likeliest_nodes_rooted_and_best_path_first():
     copy = DraftTree([1, 2, 3], [-1, 0, 1], scores=[0.9, 0.8, 0.7])
     head = DraftTree([1, 4, 5], [-1, 0, -1], scores=[0.6, 0.5, 0.3])
     tree = mix.merge("r", [("copy", copy), ("head", head)], budget=4, history_len=10)
-    # union: 1(0.9, copy) {2(0.8) {3(0.7)}, 4(0.5)}, 5(0.3): four best are 1, 2, 3, 4
+    # union: 1 (0.9, copy's; the head drafted it too) {2 (0.8) {3 (0.7)},
+    # 4: the head's 0.5 / 0.6 given 1, times 1's 0.9 = 0.75}, 5 (0.3):
+    # the four best are 1, 2, 4, 3
     assert tree.tokens == [1, 2, 3, 4]
     assert tree.parents == [-1, 0, 1, 0]
     assert tree.sources == ["copy", "copy", "copy", "head"]
-    assert tree.scores == pytest.approx([0.9, 0.8, 0.7, 0.5])
+    assert tree.scores == pytest.approx([0.9, 0.8, 0.7, 0.75])
 
 
-def test_a_shared_node_keeps_the_likelier_sources_name():
+def test_a_shared_node_takes_the_cheaper_sources_name_and_the_higher_chance():
     mix = SourceMix()
-    weak = DraftTree([7], [-1], scores=[0.2])
-    strong = DraftTree([7, 8], [-1, 0], scores=[0.6, 0.4])
-    tree = mix.merge("r", [("weak", weak), ("strong", strong)], budget=8, history_len=0)
-    assert tree.tokens == [7, 8] and tree.sources == ["strong", "strong"]
+    cheap = DraftTree([7], [-1], scores=[0.2])
+    costly = DraftTree([7, 8], [-1, 0], scores=[0.6, 0.4])
+    tree = mix.merge("r", [("cheap", cheap), ("costly", costly)], budget=8, history_len=0)
+    assert tree.tokens == [7, 8] and tree.sources == ["cheap", "costly"]
+    assert tree.scores == pytest.approx([0.6, 0.4])
+
+
+def test_deeper_shared_nodes_take_the_higher_chance():
+    mix = SourceMix()
+    # both draft 1 -> 2 -> 3; b is surer of 2 and 3; c offers 1 -> 9 at 0.42
+    a = DraftTree([1, 2, 3], [-1, 0, 1], scores=[0.9, 0.3, 0.2])
+    b = DraftTree([1, 2, 3], [-1, 0, 1], scores=[0.9, 0.5, 0.45])
+    c = DraftTree([1, 9], [-1, 0], scores=[0.9, 0.42])
+    tree = mix.merge("r", [("a", a), ("b", b), ("c", c)], budget=3, history_len=0)
+    # 1 (0.9), 2 (0.5), 3 (0.45) beat 9 (0.42): all named after a, the first to draft them
+    assert tree.tokens == [1, 2, 3] and tree.sources == ["a", "a", "a"]
+    assert tree.scores == pytest.approx([0.9, 0.5, 0.45])
+
+
+def test_a_chain_is_the_path_with_the_most_expected_tokens():
+    mix = SourceMix()
+    # a wide tree: 5 (0.6) then nothing; 1 (0.5) -> 2 (0.45) -> 3 (0.4)
+    tree = DraftTree([5, 1, 2, 3], [-1, -1, 1, 2], scores=[0.6, 0.5, 0.45, 0.4])
+    chain = mix.merge("r", [("s", tree)], budget=3, history_len=0, chain=True)
+    assert chain.tokens == [1, 2, 3] and chain.parents == [-1, 0, 1]
+    # a budget of 1 keeps the single likeliest node
+    assert mix.merge("r", [("s", tree)], budget=1, history_len=0, chain=True).tokens == [5]
 
 
 def test_factors_learn_per_source_and_per_request():

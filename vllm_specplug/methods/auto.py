@@ -143,12 +143,12 @@ class AutoProposer(Proposer):
             r = batch[i]
             if not r.sampled or r.budget <= 0:
                 continue
-            drafts = [("head", heads[i])] if heads[i] is not None else []
-            if self.deadline.allows(r.req_id):  # past it: the head's tree alone
-                drafts += self._lookups(r)
-            tree = self.mix.merge(r.req_id, drafts, r.budget, len(r.token_ids))
-            if tree is not None and r.chain_only:
-                tree = tree.first_path()
+            # cheapest source first: a node several drafted is named after it
+            drafts = self._lookups(r) if self.deadline.allows(r.req_id) else []
+            if heads[i] is not None:  # past the deadline: the head's tree alone
+                drafts.append(("head", heads[i]))
+            tree = self.mix.merge(r.req_id, drafts, r.budget, len(r.token_ids),
+                                  chain=r.chain_only)
             out[i] = tree
             self._count("trees", tree is not None)
         return out
@@ -178,8 +178,8 @@ class AutoProposer(Proposer):
         # a request that does not ask holds its rows (budget 0) until it does
         fed = [r if ask or not r.sampled else dataclasses.replace(r, budget=0)
                for r, ask in zip(batch, asks)]
+        self.head.extend(fed)  # paid drafting or not: not the head's cost of asking
         t0 = time.perf_counter()
-        self.head.extend(fed)
         trees = self.head.draft(fed, [r.budget if a else 0 for r, a in zip(fed, asks)])
         self.head_use.cost(time.perf_counter() - t0, sum(asks))
         self._asked_head = {r.req_id for r, a in zip(batch, asks) if a}

@@ -12,12 +12,15 @@ target then produced, and merges the trees by calibrated chance:
 * **Truth, not verification.** A node is judged against the tokens the
   target produced after the step (``judge``), whether or not the budget
   let it be verified: a node the budget cut still tells whether its source
-  was right. Nodes deeper than the tokens known and below a right path are
-  not judged.
-* **One scale.** ``merge`` multiplies each node's claim by its source's
-  factor (capped at 1, and at its parent's: a node is never likelier than
-  its parent), then keeps the ``budget`` likeliest nodes, every kept
-  node's parent kept, best path laid out first.
+  was right. A node is judged only where its parent was right, against the
+  source's chance of it *given* its parent: nodes below a wrong parent say
+  nothing about that chance, and nodes past the tokens known are left out
+  without bias (whether they are known depends on what was verified).
+* **One scale.** ``merge`` scores a node by its source's chance of it
+  given its parent, times the source's factor (capped at 1), times the
+  parent's score: a node is never likelier than its parent. It keeps the
+  ``budget`` likeliest nodes, every kept node's parent kept, best path
+  laid out first.
 
 Only counts are kept (no tokens), so the factors may be shared across
 tenants without carrying anyone's text.
@@ -46,17 +49,17 @@ class _Evidence:
 
 
 def judge(tree: DraftTree, truth: Sequence[int]) -> list[bool | None]:
-    """Per node: True if the target produced it (it lies on ``truth``, the
-    tokens after the tree's root), False if it or an ancestor differs from
-    ``truth``, None where ``truth`` is too short to tell."""
+    """Per node, given its parent was right: True if the target produced it
+    (it lies on ``truth``, the tokens after the tree's root), False if not;
+    None where that is not known (its parent was wrong, or ``truth`` ends
+    before it). Judging a node only under a right parent is what keeps the
+    estimate fair to deep trees: whether a node below a right parent is
+    known depends on what was verified, never on whether it is right."""
     out: list[bool | None] = []
     depth = tree.depths() if len(tree) else np.zeros(0, dtype=int)
     for i, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
-        up = True if p < 0 else out[p]
         d = int(depth[i])
-        if up is False:
-            out.append(False)
-        elif up is None or d > len(truth):
+        if (p >= 0 and out[p] is not True) or d > len(truth):
             out.append(None)
         else:
             out.append(int(tok) == int(truth[d - 1]))
@@ -117,48 +120,64 @@ class SourceMix:
         return {f: (e, int(r)) for f, (e, r) in seen.items()}
 
     def merge(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]], budget: int,
-              history_len: int) -> DraftTree | None:
+              history_len: int, chain: bool = False) -> DraftTree | None:
         """The ``budget`` likeliest nodes of ``drafts`` (``(source, tree)``,
-        each tree's ``scores`` its claimed chances) by calibrated chance,
-        as one tree; remembered to be judged at the next ``observe``.
-        Node names are ``source`` or ``source:<the tree's own name>``."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        claims: list[tuple[float, str]] = []  # the source's own claim, and the source
-        names: list[str] = []
+        cheapest source first, each tree's ``scores`` its claimed chances)
+        by calibrated chance, as one tree (``chain``: the path with the most
+        expected accepted tokens); remembered to be judged at the next
+        ``observe``. A node several sources drafted takes the highest
+        calibrated chance among them and the name of the cheapest (the first
+        listed): what a costlier source adds is only what no cheaper one
+        drafted. Node names are ``source`` or ``source:<the tree's own name>``."""
+        # path -> [calibrated chance, name, (the naming source's own chance of
+        # the node given its parent, that source)]: what observe judges
+        nodes: dict[tuple[int, ...], list] = {}
         for source, tree in drafts:
             if tree is None or not len(tree):
                 continue
             f = self.factor(req_id, source)
-            offset = len(tokens)
-            for i, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
-                claim = min(1.0, max(0.0, float(tree.scores[i])))
-                score = min(1.0, claim * f)
-                if p >= 0:
-                    score = min(score, scores[offset + p])
-                tokens.append(int(tok))
-                parents.append(-1 if p < 0 else offset + p)
-                scores.append(score)
-                claims.append((claim, source))
-                own = tree.sources[i] if tree.sources is not None else None
-                names.append(f"{source}:{own}" if own else source)
-        if not tokens or budget <= 0:
+            claims = [min(1.0, max(0.0, float(c))) for c in tree.scores]
+            for i, path in enumerate(_paths(tree)):
+                # the source's chance of the node given its parent, calibrated,
+                # times the parent's chance (a node is never likelier than it)
+                p = tree.parents[i]
+                given = claims[i] if p < 0 else claims[i] / max(claims[p], 1e-9)
+                given = min(1.0, given)
+                score = min(1.0, given * f) * (nodes[path[:-1]][0] if p >= 0 else 1.0)
+                node = nodes.get(path)
+                if node is None:
+                    own = tree.sources[i] if tree.sources is not None else None
+                    nodes[path] = [score, f"{source}:{own}" if own else source, (given, source)]
+                else:
+                    node[0] = max(node[0], score)
+        if not nodes or budget <= 0:
             return None
-        # a node two sources drafted is unified onto the first one listed:
-        # list the likelier copy first so it keeps its own score and name
-        order = _likeliest_first(parents, scores)
-        index = {n: k for k, n in enumerate(order)}
-        union = DraftTree([tokens[n] for n in order],
-                          [-1 if parents[n] < 0 else index[parents[n]] for n in order],
-                          [scores[n] for n in order], [names[n] for n in order])
-        by_path: dict[tuple[int, ...], tuple[float, str]] = {}
-        for k, path in enumerate(_paths(union)):
-            by_path.setdefault(path, claims[order[k]])
+        paths = list(nodes)  # each after its parent: every tree is topological
+        if chain:
+            paths = list(_best_chain(nodes, budget))
+        index = {path: k for k, path in enumerate(paths)}
+        union = DraftTree([path[-1] for path in paths],
+                          [index[path[:-1]] if len(path) > 1 else -1 for path in paths],
+                          [nodes[path][0] for path in paths], [nodes[path][1] for path in paths])
         best = normalize_tree(union, budget)
         tree = TrieBuilder.from_tree(best, budget).build()  # best path first
-        self._last[req_id] = (tree, [by_path[p] for p in _paths(tree)], history_len)
+        self._last[req_id] = (tree, [nodes[p][2] for p in _paths(tree)], history_len)
         return tree
+
+
+def _best_chain(nodes: dict[tuple[int, ...], list], budget: int) -> tuple[tuple[int, ...], ...]:
+    """The path (as its nodes' paths, root first) of at most ``budget``
+    nodes with the largest expected accepted length (the sum of its
+    nodes' chances)."""
+    gain: dict[tuple[int, ...], float] = {}
+    best, best_gain = (), 0.0
+    for path, (score, _, _) in nodes.items():
+        if len(path) > budget:
+            continue
+        gain[path] = gain.get(path[:-1], 0.0) + score
+        if gain[path] > best_gain:
+            best, best_gain = path, gain[path]
+    return tuple(best[:d] for d in range(1, len(best) + 1))
 
 
 def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
@@ -167,18 +186,3 @@ def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
     for tok, p in zip(tree.tokens, tree.parents):
         out.append((out[p] if p >= 0 else ()) + (int(tok),))
     return out
-
-
-def _likeliest_first(parents: list[int], scores: list[float]) -> list[int]:
-    """A topological order (each node after its parent) that lists
-    siblings' subtrees likeliest first."""
-    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, p in enumerate(parents):
-        children[p + 1].append(i)
-    order: list[int] = []
-    stack = sorted(children[0], key=lambda n: scores[n])
-    while stack:
-        n = stack.pop()
-        order.append(n)
-        stack.extend(sorted(children[n + 1], key=lambda c: scores[c]))
-    return order
