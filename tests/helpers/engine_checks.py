@@ -21,3 +21,24 @@ def check_greedy_equal(model: str, baseline, spec: dict, max_tokens: int) -> dic
         assert greedy(llm, prompts, max_tokens) == ref
         flush(llm)
         return llm.collective_rpc("specplug_stats")[0]
+
+
+def check_preemption_lossless(model: str, spec: dict, seed: int, max_tokens: int = 40) -> dict:
+    """Assert ``spec`` decodes 18 random prompts (7-300 tokens) greedily to
+    plain decoding's outputs in a cache of 10 blocks (preemption), with
+    chunked prefill, twice (the second time from the prefix cache); returns
+    the stats after asserting that requests were preempted and drafts
+    accepted (a tiny random model repeats itself, so they are)."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in [300, 250, 40, 129, 7, 33] * 3]
+    with engine(model) as llm:
+        ref = greedy(llm, prompts, max_tokens)
+    with engine(model, spec, num_gpu_blocks_override=10, enable_prefix_caching=True,
+                enable_chunked_prefill=True, max_num_batched_tokens=128) as llm:
+        assert greedy(llm, prompts, max_tokens) == ref
+        assert greedy(llm, prompts, max_tokens) == ref  # prompts from the prefix cache
+        stats = llm.collective_rpc("specplug_stats")[0]
+    assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0, stats
+    return stats

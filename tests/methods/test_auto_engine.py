@@ -5,12 +5,10 @@ head (tiny model), and the sampling distribution kept."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.conftest import engine, greedy, plain_greedy
-from tests.helpers.engine_checks import check_greedy_equal
+from tests.conftest import plain_greedy
+from tests.helpers.engine_checks import check_greedy_equal, check_preemption_lossless
 from tests.helpers.prompts import COPY_MAX_TOKENS as MAX_TOKENS
 from tests.helpers.prompts import copy_prompts
 from tests.methods.sampling import check_sampling_keeps_distribution
@@ -39,17 +37,8 @@ def test_lossless_batch_1_and_8_every_source(ref_model):
 
 
 def test_preemption_prefix_caching_chunked_prefill_without_a_head(tiny_model):
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in [300, 250, 40, 129, 7, 33] * 3]
-    with engine(tiny_model) as llm:
-        ref = greedy(llm, prompts, 40)
     spec = {"method": "auto", "num_speculative_tokens": 12, "cost_aware": False}
-    with engine(tiny_model, spec, num_gpu_blocks_override=10, enable_prefix_caching=True,
-                enable_chunked_prefill=True, max_num_batched_tokens=128) as llm:
-        assert greedy(llm, prompts, 40) == ref
-        assert greedy(llm, prompts, 40) == ref  # prompts from the prefix cache
-        stats = llm.collective_rpc("specplug_stats")[0]
-    assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0, stats
+    stats = check_preemption_lossless(tiny_model, spec, seed=7)
     assert "head_asked" not in stats["method"]  # no head for the tiny model
 
 

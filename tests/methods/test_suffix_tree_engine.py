@@ -5,13 +5,11 @@ distribution kept behind ``slow``."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
 from tests.methods.sampling import check_sampling_keeps_distribution
-from tests.helpers.engine_checks import flush
+from tests.helpers.engine_checks import check_preemption_lossless, flush
 from tests.helpers.prompts import COPY_MAX_TOKENS as MAX_TOKENS
 from tests.helpers.prompts import copy_prompts
 from vllm_specplug.sources import suffix_cache
@@ -48,22 +46,10 @@ def test_lossless_batch_1_and_8_and_frees_requests(ref_model, baseline):
 
 
 def test_preemption_prefix_caching_chunked_prefill(tiny_model):
-    rng = random.Random(5)
-    # the tiny random model repeats itself, so drafts from its own output
-    # and from earlier requests' outputs are accepted
-    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in [300, 250, 40, 129, 7, 33] * 3]
-    with engine(tiny_model) as llm:
-        ref = greedy(llm, prompts, 40)
-    # pinned size, as the other methods' preemption tests: with the budget on,
-    # whether it drafts depends on the step times measured at start-up (a
-    # slow start can keep it from drafting almost at all, and the check needs
-    # accepted tokens)
-    with engine(tiny_model, SPEC, num_gpu_blocks_override=10, enable_prefix_caching=True,
-                enable_chunked_prefill=True, max_num_batched_tokens=128) as llm:
-        assert greedy(llm, prompts, 40) == ref
-        assert greedy(llm, prompts, 40) == ref  # prompts from the prefix cache
-        stats = llm.collective_rpc("specplug_stats")[0]
-    assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0, stats
+    # drafts from the request's own output and from earlier requests'
+    # outputs; pinned size, as the other methods' preemption tests (with the
+    # budget on, whether it drafts depends on the step times at start-up)
+    check_preemption_lossless(tiny_model, SPEC, seed=5)
 
 
 def test_sampling_keeps_target_distribution(ref_model):
