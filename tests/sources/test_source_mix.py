@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.sources.source_mix import SourceMix, judge
+from vllm_specplug.sources.source_mix import Judged, SourceMix, judge
 
 
 def test_judge_marks_nodes_under_a_right_parent_only():
@@ -65,14 +65,15 @@ def test_a_chain_is_the_path_with_the_most_expected_tokens():
 
 
 def test_factors_learn_per_source_and_per_request():
-    mix = SourceMix(request_weight=4.0, source_weight=8.0, half_life=1e9)
+    mix = SourceMix(request_weight=4.0, source_weight=8.0, half_life=1e9,
+                    request_half_life=1e9)
     for step in range(20):
         a = DraftTree([1], [-1], scores=[0.5])
         b = DraftTree([2], [-1], scores=[0.5])
         mix.merge("r", [("a", a), ("b", b)], budget=2, history_len=step)
         # the target produced 1: source a was right every time, b never
         got = mix.observe("r", list(range(step)) + [1])
-        assert got == {"a": (0.5, 1), "b": (0.5, 0)}
+        assert got == {"a": Judged(0.5, 1, 1), "b": Judged(0.5, 0, 0)}
     # a: realised 20 against claims of 10, shrunk toward 1 by 8 claims' weight
     base_a = (20 + 8) / (10 + 8)
     assert mix.factor("other", "a") == pytest.approx(base_a)
@@ -91,4 +92,34 @@ def test_observe_uses_the_sources_own_claims_not_the_calibrated_ones():
     for step in range(5):
         mix.merge("r", [("a", DraftTree([1], [-1], scores=[0.4]))], budget=1,
                   history_len=step)
-        assert mix.observe("r", [0] * step + [1]) == {"a": (0.4, 1)}
+        assert mix.observe("r", [0] * step + [1]) == {"a": Judged(0.4, 1, 1)}
+
+
+def test_each_source_is_judged_on_its_own_tree_and_credited_for_what_it_added():
+    mix = SourceMix()
+    # both draft 1 -> 2; the head adds 3 under 2; the budget keeps 2 nodes
+    copy = DraftTree([1, 2], [-1, 0], scores=[0.8, 0.4])
+    head = DraftTree([1, 2, 3], [-1, 0, 1], scores=[0.5, 0.25, 0.2])
+    tree = mix.merge("r", [("copy", copy), ("head", head)], budget=2, history_len=0)
+    assert tree.tokens == [1, 2] and tree.sources == ["copy", "copy"]
+    got = mix.observe("r", [1, 2, 3])
+    # each tree judged whole, on its own chances given the parent: copy
+    # 0.8 + 0.5; head 0.5 + 0.5 + 0.8 (3, cut by the budget, still judged)
+    assert got["copy"] == Judged(pytest.approx(1.3), 2, 2)
+    assert got["head"] == Judged(pytest.approx(1.8), 3, 0)
+
+
+def test_a_requests_evidence_fades_so_it_follows_a_change_of_kind():
+    mix = SourceMix(request_weight=1.0, source_weight=1e9, request_half_life=4)
+    for step in range(40):  # source a right for 20 steps, then never
+        mix.merge("r", [("a", DraftTree([1], [-1], scores=[0.5]))], budget=1,
+                  history_len=step)
+        mix.observe("r", [0] * step + [1 if step < 20 else 2])
+    # each step's evidence weighs d = 2^(-1/4) per later step: realised
+    # sum(d^20..d^39), claimed 0.5 * sum(d^0..d^39), shrunk by weight 1 to 1
+    d = 0.5 ** 0.25
+    realised = sum(d ** k for k in range(20, 40))
+    claimed = 0.5 * sum(d ** k for k in range(40))
+    assert mix.factor("r", "a") == pytest.approx((realised + 1) / (claimed + 1))
+    assert mix.factor("r", "a") < 0.3  # without fading: (20 + 1) / (20 + 1) = 1
+    assert mix.factor("other", "a") == pytest.approx(1.0, abs=1e-6)

@@ -157,12 +157,13 @@ class AutoProposer(Proposer):
         """The request's last tree judged, the head's value updated; the
         suffix trees fed every step, drafting or not."""
         judged = self.mix.observe(r.req_id, r.token_ids)
-        for source, (_, accepted) in judged.items():
-            self._count(f"{source}_accepted", accepted)
+        for source, j in judged.items():
+            self._count(f"{source}_accepted", j.accepted)
+            self._count(f"{source}_added", j.added)
         if r.req_id in self._asked_head and judged:
-            # head nodes a cheaper source also drafted carry that source's
-            # name: what is left is what the head added
-            self.head_use.observe(r.req_id, judged.get("head", (0.0, 0))[1])
+            # the head pays for what no cheaper source also drafted
+            head = judged.get("head")
+            self.head_use.observe(r.req_id, head.added if head is not None else 0)
         if self.suffix is not None:
             self.suffix.sync(r.req_id, r.tenant, r.token_ids, r.num_prompt_tokens)
 

@@ -9,10 +9,11 @@ learns a factor per source, per request (shrunk toward the source's factor
 over all requests while a request has little evidence), from what the
 target then produced, and merges the trees by calibrated chance:
 
-* **Truth, not verification.** A node is judged against the tokens the
-  target produced after the step (``judge``), whether or not the budget
-  let it be verified: a node the budget cut still tells whether its source
-  was right. A node is judged only where its parent was right, against the
+* **Truth, not verification.** Each source's own tree is judged against
+  the tokens the target produced after the step (``judge``), whether or
+  not the budget let its nodes into the merged tree: a node the budget cut,
+  or one another source also drafted, still tells whether its source was
+  right. A node is judged only where its parent was right, against the
   source's chance of it *given* its parent: nodes below a wrong parent say
   nothing about that chance, and nodes past the tokens known are left out
   without bias (whether they are known depends on what was verified).
@@ -22,6 +23,8 @@ target then produced, and merges the trees by calibrated chance:
   ``budget`` likeliest nodes, every kept node's parent kept, best path
   laid out first.
 
+A request's own evidence decays (``request_half_life`` judged steps), so a
+request whose text changes kind (prose, then code) follows the change.
 Only counts are kept (no tokens), so the factors may be shared across
 tenants without carrying anyone's text.
 """
@@ -48,6 +51,30 @@ class _Evidence:
         self.realised = self.realised * decay + realised
 
 
+@dataclass
+class Judged:
+    """One source's trees at one step, judged: ``expected`` the sum of its
+    own chances of its judged nodes, ``accepted`` how many of them the
+    target produced, ``added`` how many of those the merged tree named
+    after it (no cheaper source drafted them)."""
+
+    expected: float = 0.0
+    accepted: int = 0
+    added: int = 0
+
+
+@dataclass
+class _Drafted:
+    """What ``merge`` drafted for a request, kept to be judged: each
+    source's own tree with its chances given the parent, the merged tree
+    and each of its nodes' naming source, the history length before it."""
+
+    own: list[tuple[str, DraftTree, list[float]]]
+    merged: DraftTree
+    named: list[str]
+    history_len: int
+
+
 def judge(tree: DraftTree, truth: Sequence[int]) -> list[bool | None]:
     """Per node, given its parent was right: True if the target produced it
     (it lies on ``truth``, the tokens after the tree's root), False if not;
@@ -71,18 +98,17 @@ class SourceMix:
     merge it drives (see the module docstring)."""
 
     def __init__(self, request_weight: float = 4.0, source_weight: float = 8.0,
-                 half_life: float = 500.0) -> None:
+                 half_life: float = 500.0, request_half_life: float = 32.0) -> None:
         self.request_weight = request_weight
         """Expected accepted nodes after which a request's own evidence
         weighs as much as its source's over all requests."""
         self.source_weight = source_weight
         """The same, for a source's evidence against the prior factor 1."""
         self._decay = 0.5 ** (1.0 / half_life)
+        self._request_decay = 0.5 ** (1.0 / request_half_life)
         self.sources: dict[str, _Evidence] = {}
         self.requests: dict[str, dict[str, _Evidence]] = {}
-        # per request: its last merged tree, each node's (claim, source), and
-        # the history length it was drafted after
-        self._last: dict[str, tuple[DraftTree, list[tuple[float, str]], int]] = {}
+        self._last: dict[str, _Drafted] = {}
 
     def factor(self, req_id: str, source: str) -> float:
         """How far ``source``'s claims hold for ``req_id`` (1: as claimed)."""
@@ -97,27 +123,30 @@ class SourceMix:
         self.requests.pop(req_id, None)
         self._last.pop(req_id, None)
 
-    def observe(self, req_id: str, token_ids: Sequence[int]) -> dict[str, tuple[float, int]]:
-        """Judge the request's last merged tree against the tokens verified
-        since it was drafted; returns ``{source: (expected, accepted)}``."""
+    def observe(self, req_id: str, token_ids: Sequence[int]) -> dict[str, Judged]:
+        """Judge the trees drafted for the request's last step against the
+        tokens verified since; returns what each source drafted right."""
         last = self._last.pop(req_id, None)
         if last is None:
             return {}
-        tree, claims, base = last
-        truth = token_ids[base:]
+        truth = token_ids[last.history_len:]
         if not len(truth):
             return {}
-        seen: dict[str, list[float]] = {}
-        for ok, (claim, family) in zip(judge(tree, truth), claims):
-            if ok is not None:
-                e = seen.setdefault(family, [0.0, 0])
-                e[0] += claim
-                e[1] += int(ok)
+        out: dict[str, Judged] = {}
+        for source, tree, given in last.own:
+            judged = out.setdefault(source, Judged())
+            for ok, claim in zip(judge(tree, truth), given):
+                if ok is not None:
+                    judged.expected += claim
+                    judged.accepted += int(ok)
+        for ok, source in zip(judge(last.merged, truth), last.named):
+            if ok and source in out:
+                out[source].added += 1
         mine = self.requests.setdefault(req_id, {})
-        for family, (expected, realised) in seen.items():
-            self.sources.setdefault(family, _Evidence()).add(expected, realised, self._decay)
-            mine.setdefault(family, _Evidence()).add(expected, realised, 1.0)
-        return {f: (e, int(r)) for f, (e, r) in seen.items()}
+        for source, j in out.items():
+            self.sources.setdefault(source, _Evidence()).add(j.expected, j.accepted, self._decay)
+            mine.setdefault(source, _Evidence()).add(j.expected, j.accepted, self._request_decay)
+        return out
 
     def merge(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]], budget: int,
               history_len: int, chain: bool = False) -> DraftTree | None:
@@ -129,25 +158,23 @@ class SourceMix:
         calibrated chance among them and the name of the cheapest (the first
         listed): what a costlier source adds is only what no cheaper one
         drafted. Node names are ``source`` or ``source:<the tree's own name>``."""
-        # path -> [calibrated chance, name, (the naming source's own chance of
-        # the node given its parent, that source)]: what observe judges
+        # path -> [calibrated chance, node name, naming source]
         nodes: dict[tuple[int, ...], list] = {}
+        own: list[tuple[str, DraftTree, list[float]]] = []
         for source, tree in drafts:
             if tree is None or not len(tree):
                 continue
             f = self.factor(req_id, source)
-            claims = [min(1.0, max(0.0, float(c))) for c in tree.scores]
+            given = _given_parent(tree)
+            own.append((source, tree, given))
             for i, path in enumerate(_paths(tree)):
-                # the source's chance of the node given its parent, calibrated,
-                # times the parent's chance (a node is never likelier than it)
+                # calibrated, times the parent's chance: never likelier than it
                 p = tree.parents[i]
-                given = claims[i] if p < 0 else claims[i] / max(claims[p], 1e-9)
-                given = min(1.0, given)
-                score = min(1.0, given * f) * (nodes[path[:-1]][0] if p >= 0 else 1.0)
+                score = min(1.0, given[i] * f) * (nodes[path[:-1]][0] if p >= 0 else 1.0)
                 node = nodes.get(path)
                 if node is None:
-                    own = tree.sources[i] if tree.sources is not None else None
-                    nodes[path] = [score, f"{source}:{own}" if own else source, (given, source)]
+                    name = tree.sources[i] if tree.sources is not None else None
+                    nodes[path] = [score, f"{source}:{name}" if name else source, source]
                 else:
                     node[0] = max(node[0], score)
         if not nodes or budget <= 0:
@@ -161,7 +188,8 @@ class SourceMix:
                           [nodes[path][0] for path in paths], [nodes[path][1] for path in paths])
         best = normalize_tree(union, budget)
         tree = TrieBuilder.from_tree(best, budget).build()  # best path first
-        self._last[req_id] = (tree, [nodes[p][2] for p in _paths(tree)], history_len)
+        self._last[req_id] = _Drafted(own, tree, [nodes[p][2] for p in _paths(tree)],
+                                      history_len)
         return tree
 
 
@@ -178,6 +206,14 @@ def _best_chain(nodes: dict[tuple[int, ...], list], budget: int) -> tuple[tuple[
         if gain[path] > best_gain:
             best, best_gain = path, gain[path]
     return tuple(best[:d] for d in range(1, len(best) + 1))
+
+
+def _given_parent(tree: DraftTree) -> list[float]:
+    """Each node's claimed chance given its parent (claims clipped to
+    [0, 1]; a tree's scores are chances from its root)."""
+    claims = [min(1.0, max(0.0, float(c))) for c in tree.scores]
+    return [min(1.0, c if p < 0 else c / max(claims[p], 1e-9))
+            for c, p in zip(claims, tree.parents)]
 
 
 def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
