@@ -80,6 +80,11 @@ METHOD_RUNS = (
     Run("respec_relaxed.json", "`respec` relaxed verification (lossy by design)",
         "A grid of relaxed margins (`respec@tT-mM`: `relaxed_tau_nats` T, `relaxed_m` M); "
         "the identical column is the share of outputs that still match plain decoding."),
+    Run("all_methods_b1_part3.json", "Every method, batch 1, under the protocol: part 3",
+        "Translation and HumanEval's odd half, the third of the three batch-1 parts "
+        "(docs/benchmarks.md): `plain` beside every specplug method, three passes per "
+        "cell, `auto` included. It replaces the headline batch-1 run above once the "
+        "other two parts are measured."),
     Run("runner_split_before_after.json", "The runner in named parts: before against after",
         "`plain`, `pld` and `respec` from the last commit before the runner was split into "
         "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "
