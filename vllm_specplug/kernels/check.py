@@ -9,8 +9,9 @@ vLLM's CUDA build cannot be installed. It checks
   nodes beside causal rows, several requests per batch, block sizes 16/32,
   both in-memory orders of vLLM's layer cache (NHD and HND), float32,
   bfloat16 and float16, each against a per-dtype tolerance;
-* ``kv_move`` (exact copies, overlapping and padded slot lists) and the two
-  ``adjacency`` kernels (exact), on the same grid of layouts;
+* ``kv_move`` (exact copies, overlapping and padded slot lists; one layer,
+  and every layer in one launch pair) and the two ``adjacency`` kernels
+  (exact), on the same grid of layouts;
 * on CUDA only: times tree attention against masked torch SDPA and the KV
   move against a torch gather/scatter, and runs the EAGLE-3 head runtime's
   tree expansion on CUDA against CPU (``check_eagle3``).
@@ -188,7 +189,9 @@ def move_slots(num_slots: int, n: int, rng: random.Random) -> tuple[torch.Tensor
 
 
 def check_kv_move(grid: dict, device) -> list[dict]:
-    from vllm_specplug.kernels.kv_move import kv_move_ref, kv_move_triton
+    """``kv_move`` on one layer's K and V, and ``kv_move_caches`` on three
+    separately allocated layers' at once, against the torch reference."""
+    from vllm_specplug.kernels.kv_move import kv_move_caches, kv_move_ref, kv_move_triton
 
     results, rng = [], random.Random(1)
     for head_dim in grid["head_dims"]:
@@ -206,6 +209,16 @@ def check_kv_move(grid: dict, device) -> list[dict]:
                     results.append({"kernel": "kv_move", "head_dim": head_dim, "block_size": bs,
                                     "layout": layout, "dtype": name, "moved": len(src),
                                     "ok": bool(ok)})
+                    views = [t for _ in range(3) for t in layer_cache(
+                        12, bs, grid["kv_heads"], head_dim, layout, DTYPES[name], device, gen)]
+                    want = [t.clone() for t in views]
+                    for wk, wv in zip(want[::2], want[1::2]):
+                        kv_move_ref(wk, wv, src.to(device), dst.to(device))
+                    kv_move_caches(views, src.to(device), dst.to(device))
+                    ok = all(torch.equal(a, b) for a, b in zip(views, want))
+                    results.append({"kernel": "kv_move_caches", "head_dim": head_dim,
+                                    "block_size": bs, "layout": layout, "dtype": name,
+                                    "layers": 3, "moved": len(src), "ok": bool(ok)})
     return results
 
 
@@ -298,8 +311,14 @@ def time_tree_attention(quick: bool) -> dict:
 
 def time_kv_move(quick: bool) -> dict:
     """The KV move of every layer (stacked 5-D cache: one launch pair per
-    K and V) vs torch advanced-indexing gather/scatter on the same slots."""
-    from vllm_specplug.kernels.kv_move import kv_move_ref, kv_move_triton
+    K and V; separate layer caches: one launch pair in all) vs torch
+    advanced-indexing gather/scatter on the same slots."""
+    from vllm_specplug.kernels.kv_move import (
+        cache_table,
+        kv_move_caches,
+        kv_move_ref,
+        kv_move_triton,
+    )
 
     layers, blocks, bs, kvh, head_dim, moves = (2, 64, 16, 2, 64, 32) if quick else \
         (32, 4096, 16, 8, 128, 32 * 8)
@@ -308,9 +327,12 @@ def time_kv_move(quick: bool) -> dict:
     rng = random.Random(6)
     src, dst = move_slots(blocks * bs, moves, rng)
     src, dst = src.cuda(), dst.cuda()
+    views = [t for pair in zip(k.unbind(0), v.unbind(0)) for t in pair]
+    table = cache_table(views)
     return {"shape": {"layers": layers, "moves": moves, "kv_heads": kvh, "head_dim": head_dim,
                       "dtype": "bfloat16"},
             "kv_move_ms": cuda_ms(lambda: kv_move_triton(k, v, src, dst)),
+            "kv_move_caches_ms": cuda_ms(lambda: kv_move_caches(views, src, dst, table)),
             "torch_gather_scatter_ms": cuda_ms(lambda: kv_move_ref(k, v, src, dst))}
 
 
