@@ -8,7 +8,8 @@ vLLM's CUDA build cannot be installed. It checks
 * ``tree_attention`` over head_dim 64/128/256, GQA 1/4/8, trees of 1-64
   nodes beside causal rows, several requests per batch, block sizes 16/32,
   both in-memory orders of vLLM's layer cache (NHD and HND), float32,
-  bfloat16 and float16, each against a per-dtype tolerance;
+  bfloat16 and float16, in one pass and split KV (3 slices), each against
+  a per-dtype tolerance;
 * ``kv_move`` (exact copies, overlapping and padded slot lists; one layer,
   and every layer in one launch pair) and the two ``adjacency`` kernels
   (exact), on the same grid of layouts;
@@ -166,12 +167,14 @@ def check_tree_attention(grid: dict, device) -> list[dict]:
                         specs = attention_specs(grid, rng)
                         batch = attention_batch(specs, head_dim, qpk, grid["kv_heads"], bs,
                                                 layout, dtype, device, rng.randrange(1 << 30))
-                        got = tree_attention_triton(**batch)
                         want = tree_attention_ref(**batch)
-                        results.append({"kernel": "tree_attention", "head_dim": head_dim,
-                                        "gqa": qpk, "block_size": bs, "layout": layout,
-                                        "dtype": name, "requests": len(specs),
-                                        **compare(got, want, dtype)})
+                        for segments in (1, 3):  # one pass, and split KV
+                            got = tree_attention_triton(**batch, num_segments=segments)
+                            results.append({"kernel": "tree_attention", "head_dim": head_dim,
+                                            "gqa": qpk, "block_size": bs, "layout": layout,
+                                            "dtype": name, "requests": len(specs),
+                                            "segments": segments,
+                                            **compare(got, want, dtype)})
     return results
 
 
@@ -295,18 +298,24 @@ def time_tree_attention(quick: bool) -> dict:
 
     from vllm_specplug.kernels.tree_attention import tree_attention_triton
 
-    reqs, nodes, ctx, head_dim, qpk, kvh = (4, 16, 200, 64, 4, 2) if quick else \
-        (32, 64, 2048, 128, 4, 8)
-    rng = random.Random(4)
-    specs = [(ctx, random_parents(nodes, rng), nodes) for _ in range(reqs)]
-    batch = attention_batch(specs, head_dim, qpk, kvh, 16, "NHD", torch.bfloat16, "cuda", 5)
-    dq, dk, dv, mask = dense_sdpa_inputs(batch, specs)
-    out = torch.empty_like(batch["q"])
-    return {"shape": {"requests": reqs, "nodes": nodes, "context": ctx, "head_dim": head_dim,
+    shapes = [(4, 16, 200, 64, 4, 2)] if quick else \
+        [(32, 64, 2048, 128, 4, 8), (1, 16, 16384, 128, 4, 8)]  # busy; one long request
+    out_rows = []
+    for reqs, nodes, ctx, head_dim, qpk, kvh in shapes:
+        rng = random.Random(4)
+        specs = [(ctx, random_parents(nodes, rng), nodes) for _ in range(reqs)]
+        batch = attention_batch(specs, head_dim, qpk, kvh, 16, "NHD", torch.bfloat16, "cuda", 5)
+        dq, dk, dv, mask = dense_sdpa_inputs(batch, specs)
+        out = torch.empty_like(batch["q"])
+        out_rows.append({
+            "shape": {"requests": reqs, "nodes": nodes, "context": ctx, "head_dim": head_dim,
                       "q_heads": qpk * kvh, "kv_heads": kvh, "dtype": "bfloat16"},
             "tree_attention_ms": cuda_ms(lambda: tree_attention_triton(**batch, out=out)),
+            "tree_attention_split_ms": cuda_ms(lambda: tree_attention_triton(
+                **batch, out=out, num_segments=None, max_context_len=ctx + 1)),
             "sdpa_masked_ms": cuda_ms(lambda: F.scaled_dot_product_attention(
-                dq, dk, dv, attn_mask=mask, scale=batch["scale"]))}
+                dq, dk, dv, attn_mask=mask, scale=batch["scale"]))})
+    return {"cases": out_rows}
 
 
 def time_kv_move(quick: bool) -> dict:

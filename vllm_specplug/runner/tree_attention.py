@@ -347,10 +347,13 @@ def gpu_tree_rows(step: TreeStep, query, kv_cache, block_table, o, head_size: in
 
     g = step.gpu_inputs(query.device)
     k_cache, v_cache = gpu_split_cache(kv_cache, head_size)
+    # long contexts at small batch: the kernel splits them (the root is
+    # context to the nodes' rows)
     out = tree_attention(
         query.index_select(0, g["rows"]), k_cache, v_cache,
         block_table.index_select(0, g["req"]), g["seq_lens"], g["qsl"], scale,
-        tree_mask=g["tree_mask"],
+        tree_mask=g["tree_mask"], num_segments=None,
+        max_context_len=max(r.context_len + 1 for r in step.rows),
     )
     o.index_copy_(0, g["rows"], out.to(o.dtype))
 
