@@ -200,6 +200,38 @@ def test_prefix_store_fills_cached_blocks(setup):
     assert rt.draft(["c"], [4], depth=4, topk=1) == [None]
 
 
+
+def test_a_prefix_shared_up_to_a_block_end_is_served_as_a_near_hit(setup):
+    """Two requests that share exactly 32 tokens and part at the 33rd: the
+    second's cached blocks come from the first's, the last one stored under
+    the first's next token (its position 31 read that token). The request
+    drafts (not refused); rows 0..30 equal a recompute; its own approximate
+    block is never stored under its own next token; a longer shared prefix
+    is an exact hit."""
+    from vllm_specplug.eagle3.runtime import BLOCK
+
+    head, ids, aux = setup
+    rt = _runtime(head)
+    m = len(ids)
+    rt.bind("a", "public")
+    rt.extend([("a", 0, ids, aux[:-1])])
+    other = ids.copy()
+    other[32] = (other[32] + 1) % 1000  # parts right after the second block
+    rt.add("b")
+    rt.bind("b", "public")
+    rt.extend([("b", 32, other, aux[32:-1])])
+    assert rt.ready("b", m) and rt.stats.store_hits == 1 and rt.stats.store_near_hits == 1
+    assert rt.draft(["b"], [4], depth=4, topk=2)[0] is not None
+    a, b = rt.states["a"], rt.states["b"]
+    torch.testing.assert_close(b.k[:31], a.k[:31], rtol=0, atol=0)
+    key = rt._block_key(b, 1, other)
+    assert key[1] == other[32] and key not in rt.store  # never stored as exact
+    # a request sharing 48 tokens finds its last block under its own next token
+    rt.add("c")
+    rt.bind("c", "public")
+    rt.extend([("c", 2 * BLOCK, ids, aux[2 * BLOCK:-1])])
+    assert rt.stats.store_hits == 2 and rt.stats.store_near_hits == 1
+
 def test_warm_up_leaves_nothing_behind_but_a_level_time(setup):
     """``warm_up`` drafts from a throw-away state before serving: afterwards
     no state, no prefix-store block and no counter remain, and on CPU the

@@ -15,12 +15,17 @@ def check_greedy_equal(model: str, baseline, spec: dict, max_tokens: int) -> dic
     """Assert ``spec`` decodes ``baseline``'s prompts greedily to its plain
     outputs at batch 1 and at the whole batch; returns the stats, every
     request's end delivered (``flush``)."""
-    prompts, ref = baseline
     with engine(model, spec, max_model_len=1024) as llm:
-        assert greedy(llm, prompts[:1], max_tokens) == ref[:1]
-        assert greedy(llm, prompts, max_tokens) == ref
-        flush(llm)
-        return llm.collective_rpc("specplug_stats")[0]
+        return check_greedy_equal_on(llm, baseline, max_tokens)
+
+
+def check_greedy_equal_on(llm, baseline, max_tokens: int, first: int = 0) -> dict:
+    """The same check through an open engine (batch 1: prompt ``first``)."""
+    prompts, ref = baseline
+    assert greedy(llm, prompts[first:first + 1], max_tokens) == ref[first:first + 1]
+    assert greedy(llm, prompts, max_tokens) == ref
+    flush(llm)
+    return llm.collective_rpc("specplug_stats")[0]
 
 
 def check_preemption_lossless(model: str, spec: dict, seed: int, max_tokens: int = 40) -> dict:

@@ -56,11 +56,13 @@ def test_kit_runs_without_vllm(tmp_path):
     assert report["environment"]["vllm_importable"] is False
     assert report["environment"]["interpret"] is True
     kinds = {c["kernel"] for c in report["checks"]}
-    assert kinds == {"tree_attention", "kv_move", "adjacency_update", "template_expand"}
+    assert kinds == {"tree_attention", "kv_move", "kv_move_caches", "adjacency_update",
+                     "template_expand"}
     attention = [c for c in report["checks"] if c["kernel"] == "tree_attention"]
     assert {c["layout"] for c in attention} == {"NHD", "HND"}
     assert {c["dtype"] for c in attention} == {"float32", "float16"}
     assert {c["gqa"] for c in attention} == {1, 4}
+    assert {c["segments"] for c in attention} == {1, 3}  # one pass, and split KV
     assert report["failed"] == 0 and all(c["ok"] for c in report["checks"])
     assert report["not_checked"]  # the interpreter's bfloat16 gap is reported
 
@@ -86,7 +88,7 @@ def test_kit_catches_a_wrong_kernel(monkeypatch):
     grid = dict(check.QUICK_GRID, head_dims=(16,), gqa=(2,), block_sizes=(16,),
                 dtypes=("float32",), layouts=("NHD",), nodes=(3,), contexts=(5,))
     results = check.check_tree_attention(grid, "cpu")
-    assert len(results) == 1 and not results[0]["ok"]
+    assert len(results) == 2 and not any(r["ok"] for r in results)  # one pass, split KV
 
 
 @pytest.mark.parametrize("dtype,error,ok", [

@@ -85,3 +85,38 @@ def test_layer_list_and_dispatch():
     want_k = _oracle(k, src, dst)
     kv_move_triton(k, None, src, dst)
     assert torch.equal(k, want_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hnd", [False, True])
+def test_every_layer_in_one_launch_pair(dtype, hnd):
+    """kv_move_caches over separately allocated layer caches, each split as
+    FLASH_ATTN/TRITON_ATTN split it (``[blocks, kv_heads, block_size,
+    2*head]`` -> K and V views; HND: heads outer in memory), equals the
+    oracle layer by layer."""
+    from vllm_specplug.kernels.cache_layout import gpu_split_cache
+    from vllm_specplug.kernels.kv_move import cache_table, kv_move_caches
+
+    gen = torch.Generator().manual_seed(3)
+    layers = []
+    for _ in range(4):  # one allocation each, as vLLM allocates them
+        if hnd:
+            raw = torch.randn(NUM_BLOCKS, NUM_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, generator=gen)
+        else:
+            raw = torch.randn(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, 2 * HEAD_DIM,
+                              generator=gen).transpose(1, 2)
+        layers.append(raw.to(dtype))
+    views = [v for raw in layers for v in gpu_split_cache(raw, HEAD_DIM)]
+    src, dst = (torch.tensor(x, dtype=torch.int64) for x in CASES["cross_block"])
+    want = [_oracle(v, src, dst) for v in views]
+    kv_move_caches(views, src, dst, cache_table(views))
+    for got, exp in zip(views, want):
+        assert torch.equal(got, exp)
+
+
+def test_one_launch_pair_refuses_caches_of_different_shapes():
+    from vllm_specplug.kernels.kv_move import cache_table
+
+    k, v = _caches(seed=1)
+    with pytest.raises(ValueError, match="one shape"):
+        cache_table([k, v[:2]])

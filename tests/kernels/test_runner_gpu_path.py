@@ -199,7 +199,14 @@ def test_tree_rows_and_kv_move_on_backend_cache(backend, layout, monkeypatch):
     src = [r0.row_start + 2, r0.row_start + 4, r2.row_start + 3]
     dst = [r0.row_start + 1, r0.row_start + 2, r2.row_start + 1]
     before = {n: kv.clone() for n, kv in caches.items()}
+    import vllm_specplug.kernels.kv_move as kv_move_module
+
+    batched = []  # every layer's K and V in one gather-scatter launch pair
+    real = kv_move_module.kv_move_caches
+    monkeypatch.setattr(kv_move_module, "kv_move_caches",
+                        lambda views, *a: batched.append(len(views)) or real(views, *a))
     move_accepted_kv(step, src, dst, D, "gpu")
+    assert batched == [2 * len(caches)]
     for name, kv in caches.items():
         k_cache, v_cache = gpu_split_cache(kv, D)
         want = before[name].clone()

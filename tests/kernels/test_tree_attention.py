@@ -166,3 +166,31 @@ def test_mask_defaults():
     torch.testing.assert_close(tree_attention_triton(**batch), _naive(batch, trees), atol=1e-4, rtol=1e-4)
     # The dispatcher takes the kernel here because it is interpreted.
     torch.testing.assert_close(tree_attention(**batch), _naive(batch, trees), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_segments", [2, 3, 7])
+def test_split_kv_matches_reference(num_segments):
+    """Context slices merged by log-sum-exp: the same rows as one pass, for
+    contexts shorter than the number of slices (empty slices), spanning
+    several tiles per slice, and with no context at all; padding rows past
+    the last query stay unwritten."""
+    specs = _tree_specs(random.Random(9)) + [(150, _random_parents(12, random.Random(4)), 12)]
+    batch = _make_batch(specs, head_dim=32, qpk=4, dtype=torch.float32, seed=11)
+    n = batch["q"].shape[0]
+    batch["q"] = torch.cat([batch["q"], torch.zeros_like(batch["q"][:3])])  # padded rows
+    out = torch.full_like(batch["q"], 7.0)
+    got = tree_attention_triton(**batch, out=out, block_n=16, num_segments=num_segments)
+    want = tree_attention_ref(**{**batch, "q": batch["q"][:n]})
+    torch.testing.assert_close(got[:n], want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[n:], torch.full_like(got[n:], 7.0))
+
+
+def test_split_kv_segments_choice():
+    from vllm_specplug.kernels.tree_attention import split_kv_segments
+
+    assert split_kv_segments(300, 4) == 1  # short context: no split
+    assert split_kv_segments(100_000, 512) == 1  # the grid is already full
+    assert split_kv_segments(4096, 16) == 8  # 4096 // 512 slices of 512 keys
+    assert split_kv_segments(2048, 16) == 4
+    assert split_kv_segments(100_000, 8) == 8  # at most MAX_SEGMENTS
+    assert split_kv_segments(100_000, 100) == 3  # brings 100 programs near 256

@@ -14,7 +14,6 @@ size on simulated laws, a correct sampler and skewed ones).
 
 from __future__ import annotations
 
-import math
 
 from tests.conftest import engine
 from tests.helpers.sampling_stats import Fit, rank_fit
@@ -66,33 +65,65 @@ def token_laws(model: str, prompt: list[int], samples: list[list[int]], position
     return tokens, laws
 
 
+SHARED_ENGINE = dict(max_model_len=1024, max_num_seqs=64, block_size=32)
+"""Engine options under which a method module's greedy checks and its
+sampling check share one engine (``check_sampling_on``): 64 requests of at
+most ``MAX_SAMPLE_PROMPT`` tokens fit vLLM's CPU default of 4096 tokens a
+step, so no sampled prompt is split; blocks of 32 let later waves of samples
+reuse the prompt's cached KV (vLLM's CPU default of 128 exceeds it)."""
+MAX_SAMPLE_PROMPT = 4096 // 64 - 16
+
+
 def check_sampling_keeps_distribution(model: str, spec: dict, text: str, n: int = SAMPLES,
                                       max_tokens: int = 3) -> dict:
     """Assert the tokens ``spec``'s trees verified (positions 1 ..
-    ``max_tokens - 1``) follow the target's laws (p > ``ALPHA``); returns
-    the method's stats."""
+    ``max_tokens - 1``) follow the target's laws (p > ``ALPHA``), in an
+    engine of its own; returns the method's stats."""
+    # Trees pinned on: the check is of the verification rule, so every step
+    # verifies a tree (the cost-aware cut may rightly draft nothing here).
+    spec = {**spec, "cost_aware": False}
+    with engine(model, spec, **SHARED_ENGINE) as llm:
+        return check_sampling_on(llm, spec, model, text, n, max_tokens)
+
+
+def check_sampling_on(llm, spec: dict, model: str, text: str, n: int = SAMPLES,
+                      max_tokens: int = 3) -> dict:
+    """The same check through an open engine started with ``spec`` and
+    ``SHARED_ENGINE``'s options; returns what the method's stats gained
+    during the check (every number as its growth)."""
     from transformers import AutoTokenizer
 
     from vllm_specplug.corpus import chat_ids
 
+    assert spec.get("cost_aware") is False, "the sampling check needs the tree size pinned"
     prompt = chat_ids(AutoTokenizer.from_pretrained(model), text)
-    positions = range(1, max_tokens)
-    # Trees pinned on: the check is of the verification rule, so every step
-    # verifies a tree (the cost-aware cut may rightly draft nothing here).
-    spec = {**spec, "cost_aware": False}
     # whole prompts per step: vLLM 0.32's CPU runner crashes when it discards
     # a seeded request's partial-prefill sample ("CPU Generator does not use
     # offset"), so no prompt may be split across steps
-    opts = dict(max_model_len=1024, max_num_seqs=4096 // (len(prompt) + 16),
-                # blocks of 32 let later waves of samples reuse the prompt's
-                # cached KV (vLLM's CPU default of 128 exceeds the prompt)
-                block_size=32)
-    with engine(model, spec, **opts) as llm:
-        samples = sample(llm, prompt, n, 10_000, max_tokens)
-        stats = llm.collective_rpc("specplug_stats")[0]
+    assert len(prompt) <= MAX_SAMPLE_PROMPT, len(prompt)
+    positions = range(1, max_tokens)
+    before = llm.collective_rpc("specplug_stats")[0]
+    samples = sample(llm, prompt, n, 10_000, max_tokens)
+    stats = _gained(before, llm.collective_rpc("specplug_stats")[0])
     tokens, laws = token_laws(model, prompt, samples, positions)
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
     fit: Fit = rank_fit(tokens, laws)
     assert fit.tested == n * len(positions), fit
     assert fit.pvalue > ALPHA, (fit, fit.pvalue)
     return stats
+
+
+def _gained(before: dict, after: dict) -> dict:
+    """``after`` with every number that grew since ``before`` replaced by
+    its growth (nested dicts too); other values as ``after`` has them."""
+    out = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            out[key] = _gained(old, value)
+        elif isinstance(value, (int, float)) and isinstance(old, (int, float)) \
+                and not isinstance(value, bool):
+            out[key] = value - old
+        else:
+            out[key] = value
+    return out

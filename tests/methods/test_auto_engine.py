@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import plain_greedy
-from tests.helpers.engine_checks import check_greedy_equal, check_preemption_lossless
+from tests.conftest import engine, plain_greedy
+from tests.helpers.engine_checks import check_greedy_equal_on, check_preemption_lossless
 from tests.helpers.prompts import COPY_MAX_TOKENS as MAX_TOKENS
 from tests.helpers.prompts import copy_prompts
-from tests.methods.sampling import check_sampling_keeps_distribution
+from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
 from vllm_specplug.sources import suffix_cache
 
 pytestmark = [pytest.mark.engine,
@@ -24,25 +24,39 @@ SPEC = {"method": "auto", "num_speculative_tokens": 12, "cost_aware": False,
         "use_head": "always", "depth": 4, "topk": 4}
 
 
-def test_lossless_batch_1_and_8_every_source(ref_model):
+@pytest.fixture(scope="module")
+def baseline(ref_model):
     prompts = copy_prompts(ref_model, 8)
-    baseline = prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
-    stats = check_greedy_equal(ref_model, baseline, SPEC, MAX_TOKENS)
-    m = stats["method"]
-    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
-    for source in ("head", "suffix"):
-        assert m.get(f"{source}_accepted", 0) > 0, m
-    assert any(m.get(f"copy{n}_drafts", 0) for n in range(1, 5)), m
-    assert m["head_asked"] > 0 and m["head_skipped"] == 0, m
+    return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
+
+
+class TestOneEngine:
+    """The greedy and the sampling checks through one engine, closed before
+    the module's other engine tests (an engine's teardown resets the
+    process's parallel groups, which an open engine still uses)."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, ref_model, baseline):
+        """One engine for both (opened after the baseline's)."""
+        with engine(ref_model, SPEC, **SHARED_ENGINE) as llm:
+            yield llm
+
+    def test_lossless_batch_1_and_8_every_source(self, llm, baseline):
+        stats = check_greedy_equal_on(llm, baseline, MAX_TOKENS)
+        m = stats["method"]
+        assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
+        for source in ("head", "suffix"):
+            assert m.get(f"{source}_accepted", 0) > 0, m
+        assert any(m.get(f"copy{n}_drafts", 0) for n in range(1, 5)), m
+        assert m["head_asked"] > 0 and m["head_skipped"] == 0, m
+
+    def test_sampling_keeps_target_distribution(self, ref_model, llm):
+        stats = check_sampling_on(llm, SPEC, ref_model,
+                                  "List the first ten prime numbers, one per line.", max_tokens=4)
+        assert stats["method"]["head_asked"] > 0
 
 
 def test_preemption_prefix_caching_chunked_prefill_without_a_head(tiny_model):
     spec = {"method": "auto", "num_speculative_tokens": 12, "cost_aware": False}
     stats = check_preemption_lossless(tiny_model, spec, seed=7)
     assert "head_asked" not in stats["method"]  # no head for the tiny model
-
-
-def test_sampling_keeps_target_distribution(ref_model):
-    stats = check_sampling_keeps_distribution(
-        ref_model, SPEC, "List the first ten prime numbers, one per line.", max_tokens=4)
-    assert stats["method"]["head_asked"] > 0

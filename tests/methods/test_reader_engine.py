@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
-from tests.methods.sampling import check_sampling_keeps_distribution
+from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
 from tests.helpers.prompts import PREAMBLE, spec_bench_prompts
 
 pytestmark = pytest.mark.engine
@@ -44,17 +44,31 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-def test_lossless_batch_1_and_8_with_prefix_caching(ref_model, baseline, store):
-    prompts, ref = baseline
-    with engine(ref_model, {**SPEC, "datastore": store}, max_model_len=1024,
-                enable_prefix_caching=True) as llm:
+class TestOneEngine:
+    """The greedy and the sampling checks through one engine, closed before
+    the module's other engine tests (an engine's teardown resets the
+    process's parallel groups, which an open engine still uses)."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, ref_model, store, baseline):
+        """One engine for both (opened after the baseline's)."""
+        with engine(ref_model, {**SPEC, "datastore": store}, enable_prefix_caching=True,
+                    **SHARED_ENGINE) as llm:
+            yield llm
+
+    def test_lossless_batch_1_and_8_with_prefix_caching(self, llm, baseline):
+        prompts, ref = baseline
         assert greedy(llm, prompts[4:5], MAX_TOKENS) == ref[4:5]  # batch 1
         assert greedy(llm, prompts, MAX_TOKENS) == ref  # batch 8, cached preamble
         stats = llm.collective_rpc("specplug_stats")[0]
-    m = stats["method"]
-    assert m["search_paths"] > 0 and m["deep_paths"] > 0 and m["store_misses"] == 0, m
-    assert stats["accepted_tokens"] > 0
-    assert 1 + stats["accepted_tokens"] / stats["drafts"] > 1.5, stats
+        m = stats["method"]
+        assert m["search_paths"] > 0 and m["deep_paths"] > 0 and m["store_misses"] == 0, m
+        assert stats["accepted_tokens"] > 0
+        assert 1 + stats["accepted_tokens"] / stats["drafts"] > 1.5, stats
+
+    def test_sampling_keeps_target_distribution(self, ref_model, llm):
+        stats = check_sampling_on(llm, SPEC, ref_model, "Count from 1 to 10.")
+        assert stats["method"]["search_paths"] > 0, stats["method"]
 
 
 @pytest.mark.slow
@@ -65,10 +79,3 @@ def test_lossless_under_preemption(ref_model, baseline, store):
         assert greedy(llm, prompts, MAX_TOKENS) == ref
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
-
-
-def test_sampling_keeps_target_distribution(ref_model, store):
-    spec = {**SPEC, "datastore": store, "num_speculative_tokens": 10, "depth": 3, "topk": 4,
-            "d_search": 4, "d_deep": 2}
-    stats = check_sampling_keeps_distribution(ref_model, spec, "Count from 1 to 10.")
-    assert stats["method"]["search_paths"] > 0, stats["method"]

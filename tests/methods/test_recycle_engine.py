@@ -6,24 +6,36 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.engine_checks import check_greedy_equal
+from tests.conftest import engine
+from tests.helpers.engine_checks import check_greedy_equal_on
 from tests.helpers.prompts import COPY_MAX_TOKENS
-from tests.methods.sampling import check_sampling_keeps_distribution
+from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
 
 pytestmark = pytest.mark.engine
 
 
-def test_recycle_small_budget_copy_path_lossless(ref_model, copy_baseline):
-    spec = {"method": "recycle", "num_speculative_tokens": 8, "cost_aware": False}
-    stats = check_greedy_equal(ref_model, copy_baseline, spec, COPY_MAX_TOKENS)
-    m = stats["method"]
-    assert stats["accepted_tokens"] > 0 and stats["tree_drafts"] > 0
-    # the copy path was drafted and verified: its estimate has moved off the prior
-    assert m["copy_first_n4"] != pytest.approx(0.7)
+SPEC = {"method": "recycle", "num_speculative_tokens": 8, "cost_aware": False}
 
 
-def test_sampling_keeps_target_distribution(ref_model):
-    # the shared table learns from the earlier samples of the same prompt,
-    # so later samples are drafted and verified through its trees
-    spec = {"method": "recycle", "num_speculative_tokens": 8, "cost_aware": False}
-    check_sampling_keeps_distribution(ref_model, spec, "Count from 1 to 10.")
+class TestOneEngine:
+    """The greedy and the sampling checks through one engine, closed before
+    the module's other engine tests (an engine's teardown resets the
+    process's parallel groups, which an open engine still uses)."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, ref_model, copy_baseline):
+        """One engine for both (opened after the baseline's)."""
+        with engine(ref_model, SPEC, **SHARED_ENGINE) as llm:
+            yield llm
+
+    def test_recycle_small_budget_copy_path_lossless(self, llm, copy_baseline):
+        stats = check_greedy_equal_on(llm, copy_baseline, COPY_MAX_TOKENS)
+        m = stats["method"]
+        assert stats["accepted_tokens"] > 0 and stats["tree_drafts"] > 0
+        # the copy path was drafted and verified: its estimate has moved off the prior
+        assert m["copy_first_n4"] != pytest.approx(0.7)
+
+    def test_sampling_keeps_target_distribution(self, ref_model, llm):
+        # the shared table learns from the earlier samples of the same prompt,
+        # so later samples are drafted and verified through its trees
+        check_sampling_on(llm, SPEC, ref_model, "Count from 1 to 10.")

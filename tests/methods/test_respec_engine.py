@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
-from tests.methods.sampling import check_sampling_keeps_distribution
+from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
 
 pytestmark = pytest.mark.engine
 
@@ -48,17 +48,35 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-def test_lossless_batch_1_and_8_prefix_caching(ref_model, baseline):
-    prompts, ref = baseline
-    with engine(ref_model, SPEC, max_model_len=1024, enable_prefix_caching=True) as llm:
+class TestOneEngine:
+    """The greedy and the sampling checks through one engine, closed before
+    the module's other engine tests (an engine's teardown resets the
+    process's parallel groups, which an open engine still uses)."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, ref_model, baseline):
+        """One engine for both (opened after the baseline's)."""
+        with engine(ref_model, SPEC, enable_prefix_caching=True, **SHARED_ENGINE) as llm:
+            yield llm
+
+    def test_lossless_batch_1_and_8_prefix_caching(self, llm, baseline):
+        prompts, ref = baseline
         assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]  # batch 1
         assert greedy(llm, prompts, MAX_TOKENS) == ref  # batch 8, first prompt cached
         stats = llm.collective_rpc("specplug_stats")[0]
-    m = stats["method"]
-    assert m["retrieved"] > 0 and m["fallback"] > 0, m  # both drafters drafted
-    assert m["retrieval_verified"] > 0 and m["model_verified"] > 0, m
-    assert stats["relaxed_tokens"] == 0
-    assert 1 + stats["accepted_tokens"] / stats["drafts"] > 1.5, stats
+        m = stats["method"]
+        assert m["retrieved"] > 0 and m["fallback"] > 0, m  # both drafters drafted
+        assert m["retrieval_verified"] > 0 and m["model_verified"] > 0, m
+        assert stats["relaxed_tokens"] == 0
+        assert 1 + stats["accepted_tokens"] / stats["drafts"] > 1.5, stats
+
+    def test_sampling_keeps_target_distribution(self, ref_model, llm):
+        # A prompt whose answer repeats it, so the retrieval trigger has keys
+        # to look up (the assertion below only requires the head's trees).
+        stats = check_sampling_on(llm, SPEC, ref_model,
+                                  "Repeat this line three times: the cat sat on the mat.",
+                                  max_tokens=6)
+        assert stats["method"]["fallback"] > 0, stats["method"]
 
 
 @pytest.mark.slow
@@ -154,12 +172,3 @@ def test_relaxed_applies_only_to_requests_that_opt_in(ref_model, baseline):
     assert strict == ref[:4]
     assert strict_counts["relaxed_tokens"] == 0 and strict_counts["relaxed_opted_out"] > 0
     assert relaxed_counts["relaxed_tokens"] > 0 and relaxed_counts["relaxed_opted_out"] == 0
-
-
-def test_sampling_keeps_target_distribution(ref_model):
-    # A prompt whose answer repeats it, so the retrieval trigger has keys
-    # to look up (the assertion below only requires the head's trees).
-    spec = {**SPEC, "num_speculative_tokens": 8, "depth": 3, "topk": 4}
-    stats = check_sampling_keeps_distribution(
-        ref_model, spec, "Repeat this line three times: the cat sat on the mat.", max_tokens=6)
-    assert stats["method"]["fallback"] > 0, stats["method"]

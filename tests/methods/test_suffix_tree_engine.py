@@ -1,15 +1,15 @@
 """`suffix_tree` on the real engine: greedy output token-identical to plain
 decoding at batch 1 and 8 (reference model, trees verified), under
 preemption, prefix caching and chunked prefill (tiny model); the sampling
-distribution kept behind ``slow``."""
+distribution kept (sharing the batch-1-and-8 check's engine)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, greedy, plain_greedy
-from tests.methods.sampling import check_sampling_keeps_distribution
-from tests.helpers.engine_checks import check_preemption_lossless, flush
+from tests.conftest import engine, plain_greedy
+from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
+from tests.helpers.engine_checks import check_greedy_equal_on, check_preemption_lossless
 from tests.helpers.prompts import COPY_MAX_TOKENS as MAX_TOKENS
 from tests.helpers.prompts import copy_prompts
 from vllm_specplug.sources import suffix_cache
@@ -30,19 +30,32 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-def test_lossless_batch_1_and_8_and_frees_requests(ref_model, baseline):
-    prompts, ref = baseline
-    with engine(ref_model, SPEC, max_model_len=1024) as llm:
-        assert greedy(llm, prompts[:1], MAX_TOKENS) == ref[:1]
-        assert greedy(llm, prompts, MAX_TOKENS) == ref
-        flush(llm)
-        stats = llm.collective_rpc("specplug_stats")[0]
-    m = stats["method"]
-    assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
-    # every request's own tree freed but the flush request's (its end
-    # reaches the worker with the next step); every output kept globally
-    assert m["live_requests"] <= 1, m
-    assert m["cached_responses"] == 10, m  # 1 + 8 + the flush request
+class TestOneEngine:
+    """The greedy and the sampling checks through one engine, closed before
+    the module's other engine tests (an engine's teardown resets the
+    process's parallel groups, which an open engine still uses)."""
+
+    @pytest.fixture(scope="class")
+    def llm(self, ref_model, baseline):
+        """One engine for both (opened after the baseline's)."""
+        with engine(ref_model, SPEC, **SHARED_ENGINE) as llm:
+            yield llm
+
+    def test_lossless_batch_1_and_8_and_frees_requests(self, llm, baseline):
+        stats = check_greedy_equal_on(llm, baseline, MAX_TOKENS)
+        m = stats["method"]
+        assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
+        # every request's own tree freed but the flush request's (its end
+        # reaches the worker with the next step); every output kept globally
+        assert m["live_requests"] <= 1, m
+        assert m["cached_responses"] == 10, m  # 1 + 8 + the flush request
+
+    def test_sampling_keeps_target_distribution(self, ref_model, llm):
+        # many samples of one prompt: the global suffix tree holds the earlier
+        # samples, so trees branch where the samples did
+        stats = check_sampling_on(llm, SPEC, ref_model,
+                                  "List the first ten prime numbers, one per line.", max_tokens=6)
+        assert stats["method"]["cached_responses"] > 0
 
 
 def test_preemption_prefix_caching_chunked_prefill(tiny_model):
@@ -50,11 +63,3 @@ def test_preemption_prefix_caching_chunked_prefill(tiny_model):
     # outputs; pinned size, as the other methods' preemption tests (with the
     # budget on, whether it drafts depends on the step times at start-up)
     check_preemption_lossless(tiny_model, SPEC, seed=5)
-
-
-def test_sampling_keeps_target_distribution(ref_model):
-    # many samples of one prompt: the global suffix tree holds the earlier
-    # samples, so trees branch where the samples did
-    stats = check_sampling_keeps_distribution(
-        ref_model, SPEC, "List the first ten prime numbers, one per line.", max_tokens=6)
-    assert stats["method"]["cached_responses"] > 0

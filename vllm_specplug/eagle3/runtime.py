@@ -17,7 +17,14 @@ reference, which recomputes the whole prefix per call) does not have:
   K/V at position ``p`` depends only on the tokens ``x[0..p+1]``, so finished
   blocks of ``BLOCK`` positions are kept in an LRU keyed by a chained hash of
   their token prefix; a request that starts (or resumes) past its state
-  fills the gap from there. If a block is missing the request is marked
+  fills the gap from there. A block's last position also reads the token
+  after the block, so a prefix shared up to exactly a block's end (the
+  requests part right after it) finds no block under its own next token:
+  the store then serves the block stored under another next token (a
+  *near hit*, counted): one position of the request's head state read
+  another token there, which can only make its drafts a little worse,
+  never its output (every draft is verified), where refusing the request
+  would stop its drafting altogether. If a block is missing the request is marked
   ``broken`` and drafts nothing until it ends (counted), never from a
   silently shorter state. The chain is a keyed blake2b (a key of this
   process's own, never sent anywhere) seeded by the request's tenant
@@ -110,6 +117,8 @@ class RuntimeStats:
     the step's requests): what a GPU step's drafting latency scales with."""
     draft_calls: int = 0
     store_hits: int = 0
+    store_near_hits: int = 0
+    """Fills whose last block was stored under another next token."""
     store_misses: int = 0
     stopped_early: int = 0
     stopped_cost: int = 0
@@ -179,6 +188,8 @@ class Eagle3Runtime:
         self.states: dict[str, _State] = {}
         self.store: OrderedDict[tuple[bytes, int], tuple[torch.Tensor, torch.Tensor]] = \
             OrderedDict()
+        self._next_of: dict[bytes, int] = {}
+        """A block hash's latest next token in the store (near hits)."""
         self._key = os.urandom(32)  # the store's hash key: this process's only
         self.store_blocks = max(0, store_tokens // BLOCK)
         self.store_bytes_max = self.store_blocks * BLOCK * self.row_bytes
@@ -370,7 +381,10 @@ class Eagle3Runtime:
                 sl = slice(j * BLOCK, (j + 1) * BLOCK)
                 self.store[key] = (st.k[sl].clone(), st.v[sl].clone())
                 while len(self.store) > self.store_blocks:
-                    self.store.popitem(last=False)
+                    (h, nxt), _ = self.store.popitem(last=False)
+                    if self._next_of.get(h) == nxt:
+                        del self._next_of[h]
+            self._next_of[key[0]] = key[1]
 
     def _fill_from_store(self, st: _State, upto: int, tokens: np.ndarray) -> bool:
         """Bring the state to ``upto`` rows from the prefix store (only
@@ -379,16 +393,20 @@ class Eagle3Runtime:
             return False
         if st.n % BLOCK or upto % BLOCK or st.n != len(st.hashes) * BLOCK:
             return False
+        near = False
         while st.n < upto:
             j = st.n // BLOCK
             key = self._block_key(st, j, tokens)
+            if key not in self.store and st.n + BLOCK == upto and key[0] in self._next_of:
+                key, near = (key[0], self._next_of[key[0]]), True  # see the module docstring
             kv = self.store.get(key)
             if kv is None:
                 return False
             self.store.move_to_end(key)
             st.k[st.n:st.n + BLOCK], st.v[st.n:st.n + BLOCK] = kv
-            st.hashes.append(key[0])
+            st.hashes.append(key[0])  # never stored again from this state
             st.n += BLOCK
+        self.stats.store_near_hits += near
         st.out = None
         return True
 

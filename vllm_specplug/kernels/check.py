@@ -8,9 +8,11 @@ vLLM's CUDA build cannot be installed. It checks
 * ``tree_attention`` over head_dim 64/128/256, GQA 1/4/8, trees of 1-64
   nodes beside causal rows, several requests per batch, block sizes 16/32,
   both in-memory orders of vLLM's layer cache (NHD and HND), float32,
-  bfloat16 and float16, each against a per-dtype tolerance;
-* ``kv_move`` (exact copies, overlapping and padded slot lists) and the two
-  ``adjacency`` kernels (exact), on the same grid of layouts;
+  bfloat16 and float16, in one pass and split KV (3 slices), each against
+  a per-dtype tolerance;
+* ``kv_move`` (exact copies, overlapping and padded slot lists; one layer,
+  and every layer in one launch pair) and the two ``adjacency`` kernels
+  (exact), on the same grid of layouts;
 * on CUDA only: times tree attention against masked torch SDPA and the KV
   move against a torch gather/scatter, and runs the EAGLE-3 head runtime's
   tree expansion on CUDA against CPU (``check_eagle3``).
@@ -165,12 +167,14 @@ def check_tree_attention(grid: dict, device) -> list[dict]:
                         specs = attention_specs(grid, rng)
                         batch = attention_batch(specs, head_dim, qpk, grid["kv_heads"], bs,
                                                 layout, dtype, device, rng.randrange(1 << 30))
-                        got = tree_attention_triton(**batch)
                         want = tree_attention_ref(**batch)
-                        results.append({"kernel": "tree_attention", "head_dim": head_dim,
-                                        "gqa": qpk, "block_size": bs, "layout": layout,
-                                        "dtype": name, "requests": len(specs),
-                                        **compare(got, want, dtype)})
+                        for segments in (1, 3):  # one pass, and split KV
+                            got = tree_attention_triton(**batch, num_segments=segments)
+                            results.append({"kernel": "tree_attention", "head_dim": head_dim,
+                                            "gqa": qpk, "block_size": bs, "layout": layout,
+                                            "dtype": name, "requests": len(specs),
+                                            "segments": segments,
+                                            **compare(got, want, dtype)})
     return results
 
 
@@ -188,7 +192,9 @@ def move_slots(num_slots: int, n: int, rng: random.Random) -> tuple[torch.Tensor
 
 
 def check_kv_move(grid: dict, device) -> list[dict]:
-    from vllm_specplug.kernels.kv_move import kv_move_ref, kv_move_triton
+    """``kv_move`` on one layer's K and V, and ``kv_move_caches`` on three
+    separately allocated layers' at once, against the torch reference."""
+    from vllm_specplug.kernels.kv_move import kv_move_caches, kv_move_ref, kv_move_triton
 
     results, rng = [], random.Random(1)
     for head_dim in grid["head_dims"]:
@@ -206,6 +212,16 @@ def check_kv_move(grid: dict, device) -> list[dict]:
                     results.append({"kernel": "kv_move", "head_dim": head_dim, "block_size": bs,
                                     "layout": layout, "dtype": name, "moved": len(src),
                                     "ok": bool(ok)})
+                    views = [t for _ in range(3) for t in layer_cache(
+                        12, bs, grid["kv_heads"], head_dim, layout, DTYPES[name], device, gen)]
+                    want = [t.clone() for t in views]
+                    for wk, wv in zip(want[::2], want[1::2]):
+                        kv_move_ref(wk, wv, src.to(device), dst.to(device))
+                    kv_move_caches(views, src.to(device), dst.to(device))
+                    ok = all(torch.equal(a, b) for a, b in zip(views, want))
+                    results.append({"kernel": "kv_move_caches", "head_dim": head_dim,
+                                    "block_size": bs, "layout": layout, "dtype": name,
+                                    "layers": 3, "moved": len(src), "ok": bool(ok)})
     return results
 
 
@@ -282,24 +298,36 @@ def time_tree_attention(quick: bool) -> dict:
 
     from vllm_specplug.kernels.tree_attention import tree_attention_triton
 
-    reqs, nodes, ctx, head_dim, qpk, kvh = (4, 16, 200, 64, 4, 2) if quick else \
-        (32, 64, 2048, 128, 4, 8)
-    rng = random.Random(4)
-    specs = [(ctx, random_parents(nodes, rng), nodes) for _ in range(reqs)]
-    batch = attention_batch(specs, head_dim, qpk, kvh, 16, "NHD", torch.bfloat16, "cuda", 5)
-    dq, dk, dv, mask = dense_sdpa_inputs(batch, specs)
-    out = torch.empty_like(batch["q"])
-    return {"shape": {"requests": reqs, "nodes": nodes, "context": ctx, "head_dim": head_dim,
+    shapes = [(4, 16, 200, 64, 4, 2)] if quick else \
+        [(32, 64, 2048, 128, 4, 8), (1, 16, 16384, 128, 4, 8)]  # busy; one long request
+    out_rows = []
+    for reqs, nodes, ctx, head_dim, qpk, kvh in shapes:
+        rng = random.Random(4)
+        specs = [(ctx, random_parents(nodes, rng), nodes) for _ in range(reqs)]
+        batch = attention_batch(specs, head_dim, qpk, kvh, 16, "NHD", torch.bfloat16, "cuda", 5)
+        dq, dk, dv, mask = dense_sdpa_inputs(batch, specs)
+        out = torch.empty_like(batch["q"])
+        out_rows.append({
+            "shape": {"requests": reqs, "nodes": nodes, "context": ctx, "head_dim": head_dim,
                       "q_heads": qpk * kvh, "kv_heads": kvh, "dtype": "bfloat16"},
             "tree_attention_ms": cuda_ms(lambda: tree_attention_triton(**batch, out=out)),
+            "tree_attention_split_ms": cuda_ms(lambda: tree_attention_triton(
+                **batch, out=out, num_segments=None, max_context_len=ctx + 1)),
             "sdpa_masked_ms": cuda_ms(lambda: F.scaled_dot_product_attention(
-                dq, dk, dv, attn_mask=mask, scale=batch["scale"]))}
+                dq, dk, dv, attn_mask=mask, scale=batch["scale"]))})
+    return {"cases": out_rows}
 
 
 def time_kv_move(quick: bool) -> dict:
     """The KV move of every layer (stacked 5-D cache: one launch pair per
-    K and V) vs torch advanced-indexing gather/scatter on the same slots."""
-    from vllm_specplug.kernels.kv_move import kv_move_ref, kv_move_triton
+    K and V; separate layer caches: one launch pair in all) vs torch
+    advanced-indexing gather/scatter on the same slots."""
+    from vllm_specplug.kernels.kv_move import (
+        cache_table,
+        kv_move_caches,
+        kv_move_ref,
+        kv_move_triton,
+    )
 
     layers, blocks, bs, kvh, head_dim, moves = (2, 64, 16, 2, 64, 32) if quick else \
         (32, 4096, 16, 8, 128, 32 * 8)
@@ -308,9 +336,12 @@ def time_kv_move(quick: bool) -> dict:
     rng = random.Random(6)
     src, dst = move_slots(blocks * bs, moves, rng)
     src, dst = src.cuda(), dst.cuda()
+    views = [t for pair in zip(k.unbind(0), v.unbind(0)) for t in pair]
+    table = cache_table(views)
     return {"shape": {"layers": layers, "moves": moves, "kv_heads": kvh, "head_dim": head_dim,
                       "dtype": "bfloat16"},
             "kv_move_ms": cuda_ms(lambda: kv_move_triton(k, v, src, dst)),
+            "kv_move_caches_ms": cuda_ms(lambda: kv_move_caches(views, src, dst, table)),
             "torch_gather_scatter_ms": cuda_ms(lambda: kv_move_ref(k, v, src, dst))}
 
 

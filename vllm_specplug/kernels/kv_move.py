@@ -33,6 +33,15 @@ is the global barrier.  n is the number of accepted tokens (tens), so the
 scratch round trip costs far less than the second launch itself.  K and V are
 separate tensors and get a launch pair each; stack layers into one 5-D tensor
 to move a whole model in 4 launches.
+
+Every layer in one launch pair
+------------------------------
+vLLM allocates each layer's cache on its own, so no one tensor spans the
+layers. ``kv_move_caches`` takes the K and V views of every layer (same
+shape, strides and dtype: one model's layers) and moves them all in one
+gather and one scatter launch: each program reads its cache's address from
+a table of base addresses (``cache_table``), as vLLM's own ``copy_blocks``
+kernel does. Build the table once (the caches do not move) and pass it on.
 """
 
 from __future__ import annotations
@@ -98,6 +107,98 @@ def _kv_scatter_kernel(
     row = _slot_row(dst, layer, BLOCK_SIZE, stride_l, stride_b, stride_t)
     vals = tl.load(scratch_ptr + (layer * n + i) * num_feat + offs_f, mask=mask)
     tl.store(cache_ptr + row + feat, vals, mask=mask)
+
+
+@triton.jit
+def _kv_gather_table_kernel(
+    table_ptr, scratch_ptr, src_ptr, dst_ptr,
+    n, BLOCK_SIZE, num_feat,
+    stride_b, stride_t, stride_h, stride_d,
+    DTYPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """scratch[c, i, f] = caches[c][src[i], f] for non-skipped entries;
+    cache c's first element at address ``table[c]``."""
+    i = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    if (src == dst) | (src < 0) | (dst < 0):
+        return
+    base = tl.load(table_ptr + c).to(tl.pointer_type(DTYPE))
+    mask = offs_f < num_feat
+    feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
+    row = _slot_row(src, 0, BLOCK_SIZE, 0, stride_b, stride_t)
+    vals = tl.load(base + row + feat, mask=mask)
+    tl.store(scratch_ptr + (c * n + i) * num_feat + offs_f, vals, mask=mask)
+
+
+@triton.jit
+def _kv_scatter_table_kernel(
+    table_ptr, scratch_ptr, src_ptr, dst_ptr,
+    n, BLOCK_SIZE, num_feat,
+    stride_b, stride_t, stride_h, stride_d,
+    DTYPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    """caches[c][dst[i], f] = scratch[c, i, f] for non-skipped entries."""
+    i = tl.program_id(0)
+    c = tl.program_id(1).to(tl.int64)
+    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    if (src == dst) | (src < 0) | (dst < 0):
+        return
+    base = tl.load(table_ptr + c).to(tl.pointer_type(DTYPE))
+    mask = offs_f < num_feat
+    feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
+    row = _slot_row(dst, 0, BLOCK_SIZE, 0, stride_b, stride_t)
+    vals = tl.load(scratch_ptr + (c * n + i) * num_feat + offs_f, mask=mask)
+    tl.store(base + row + feat, vals, mask=mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
+              torch.bfloat16: tl.bfloat16}
+
+
+def cache_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The base-address table of ``caches`` (4-D slot views
+    ``[blocks, block_size, kv_heads, head]``, one shape, strides, dtype and
+    device) for :func:`kv_move_caches`; raises ValueError where they differ."""
+    first = caches[0]
+    for c in caches:
+        if (c.dim() != 4 or c.shape != first.shape or c.stride() != first.stride()
+                or c.dtype != first.dtype or c.device != first.device):
+            raise ValueError("kv_move_caches needs caches of one shape, strides, dtype "
+                             "and device")
+    if first.dtype not in _TL_DTYPES:
+        raise ValueError(f"kv_move_caches: unsupported dtype {first.dtype}")
+    return torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64).to(first.device)
+
+
+def kv_move_caches(caches: Sequence[torch.Tensor], src_slots: torch.Tensor,
+                   dst_slots: torch.Tensor, table: Optional[torch.Tensor] = None) -> None:
+    """In-place ``cache[dst_slots[i]] = cache[src_slots[i]]`` in every one of
+    ``caches`` (see :func:`cache_table`), in one gather and one scatter
+    launch whatever their number; ``table``: their ``cache_table``."""
+    _check_slots(src_slots, dst_slots)
+    if src_slots.numel() == 0 or not caches:
+        return
+    if table is None:
+        table = cache_table(caches)
+    first = caches[0]
+    _, block_size, num_heads, head_dim = first.shape
+    n, num_feat = src_slots.shape[0], num_heads * head_dim
+    block_f = min(triton.next_power_of_2(num_feat), 1024)
+    scratch = torch.empty((len(caches), n, num_feat), dtype=first.dtype, device=first.device)
+    grid = (n, len(caches), triton.cdiv(num_feat, block_f))
+    args = (table, scratch, src_slots, dst_slots, n, block_size, num_feat, *first.stride())
+    meta = dict(DTYPE=_TL_DTYPES[first.dtype], HEAD_DIM=head_dim, BLOCK_F=block_f)
+    _kv_gather_table_kernel[grid](*args, **meta)
+    _kv_scatter_table_kernel[grid](*args, **meta)
 
 
 def _as_layers(cache: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,17 @@ binary search over ``query_start_loc`` (as vLLM's unified Triton attention does)
 so the grid depends only on num_tokens/num_seqs: no host sync, CUDA-graph safe.
 KV is walked in BLOCK_N-key tiles with an online softmax, first over the
 context (no mask math) and then over the new tokens (tree/causal mask).
+
+Split KV (segmented softmax)
+----------------------------
+A verification step has few query rows (a few requests x tens of nodes), so
+at small batch the grid above has too few programs to fill a GPU while each
+walks a long context alone. With ``num_segments`` S > 1 (the caller picks S
+from host-known lengths: ``split_kv_segments``) each program walks one of S
+slices of its sequence's context (the last slice also takes the new tokens)
+and writes its unnormalised partial output with its running max and sum; a
+second kernel merges the S partials of each row (the same log-sum-exp merge
+as vLLM's segmented decode attention). S = 1 writes the output directly.
 """
 
 from __future__ import annotations
@@ -176,12 +187,15 @@ def _attend_tile(
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, tree_mask_ptr, is_tree_ptr,
-    num_seqs, scale_log2, BLOCK_SIZE,
+    part_ptr, ml_ptr,
+    num_seqs, scale_log2, BLOCK_SIZE, num_tokens, num_segments,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_segments > 1: write partials to part/ml
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QPK: tl.constexpr,  # query heads per kv head
@@ -194,6 +208,7 @@ def _tree_attention_kernel(
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
+    segment = tl.program_id(2)
 
     seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
@@ -231,10 +246,21 @@ def _tree_attention_kernel(
     bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
 
+    # This program's slice of the context (all of it unless SPLIT); the
+    # last slice's program also walks the new tokens.
+    ctx_lo = 0
+    ctx_hi = ctx_len
+    new_hi = ctx_len + tl.minimum(q_len, (q_block_local + 1) * BLOCK_Q)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(ctx_len, num_segments), BLOCK_N) * BLOCK_N
+        ctx_lo = tl.minimum(segment * chunk, ctx_len)
+        ctx_hi = tl.minimum(ctx_lo + chunk, ctx_len)
+        new_hi = tl.where(segment == num_segments - 1, new_hi, ctx_len)
+
     # Context: visible to every query, only bounds to check.
-    for start in range(0, ctx_len, BLOCK_N):
+    for start in range(ctx_lo, ctx_hi, BLOCK_N):
         pos = start + offs_n
-        key_ok = pos < ctx_len
+        key_ok = pos < ctx_hi
         visible = row_ok[:, None] & key_ok[None, :]
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, pos, key_ok, visible, offs_d, d_ok, kv_head,
@@ -243,9 +269,8 @@ def _tree_attention_kernel(
             scale_log2, BLOCK_SIZE, PRECISION,
         )
 
-    # New tokens: j <= i bounds both causal and tree rows, so stop at this
-    # block's last query instead of seq_len.
-    new_hi = ctx_len + tl.minimum(q_len, (q_block_local + 1) * BLOCK_Q)
+    # New tokens: j <= i bounds both causal and tree rows, so new_hi stops
+    # at this block's last query instead of seq_len.
     for start in range(ctx_len, new_hi, BLOCK_N):
         pos = start + offs_n
         key_ok = pos < new_hi
@@ -262,12 +287,72 @@ def _tree_attention_kernel(
             scale_log2, BLOCK_SIZE, PRECISION,
         )
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        o_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        out.to(o_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    if SPLIT:
+        # partials [segments, num_tokens, heads, HEAD_DIM], (max, sum) pairs
+        # [segments, num_tokens, heads, 2]; merged by _merge_segments_kernel
+        part_row = (segment * num_tokens + q_tok) * NUM_Q_HEADS + head
+        tl.store(part_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(ml_ptr + part_row * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + part_row * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            o_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge_segments_kernel(
+    part_ptr, ml_ptr, o_ptr, qsl_ptr,
+    num_seqs, num_tokens, num_segments,
+    stride_ot, stride_oh, stride_od,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # pow2 >= num_segments (MAX_SEGMENTS)
+):
+    """One (token, head) row: the log-sum-exp merge of its segments' partials."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if tok >= tl.load(qsl_ptr + num_seqs):
+        return  # padding rows stay unwritten, as without a split
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < num_segments
+    part_row = (offs_s * num_tokens + tok) * NUM_Q_HEADS + head
+    m = tl.load(ml_ptr + part_row * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(ml_ptr + part_row * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # exp2(-inf) = 0
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.load(part_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    out = num / tl.where(den == 0.0, 1.0, den)
+    tl.store(o_ptr + tok * stride_ot + head * stride_oh + offs_d * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+
+MAX_SEGMENTS = 8
+"""Most context slices of a split-KV launch (the merge kernel's tile)."""
+
+
+def split_kv_segments(max_context_len: int, num_programs: int, target_programs: int = 256,
+                      min_keys: int = 512, max_segments: int = MAX_SEGMENTS) -> int:
+    """Context slices per program for a launch of ``num_programs`` programs
+    (q-blocks x kv heads) whose longest context is ``max_context_len`` keys
+    (host-known: no sync): enough to bring the grid near ``target_programs``,
+    each slice at least ``min_keys`` long; 1 (no split) for short contexts
+    or a grid already full."""
+    if num_programs >= target_programs or max_context_len < 2 * min_keys:
+        return 1
+    want = -(-target_programs // max(num_programs, 1))
+    return max(1, min(want, max_context_len // min_keys, max_segments))
 
 
 def tree_attention_triton(
@@ -282,11 +367,16 @@ def tree_attention_triton(
     is_tree: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     block_n: int = 32,
+    num_segments: Optional[int] = 1,
+    max_context_len: int = 0,
 ) -> torch.Tensor:
     """Launch the tree-attention kernel; see the module docstring for layouts.
 
     Output rows past ``query_start_loc[-1]`` (padding) are left unwritten.
-    ``block_n`` is the number of keys per tile (a power of two).
+    ``block_n`` is the number of keys per tile (a power of two);
+    ``num_segments`` the context slices per sequence (split KV), None: by
+    ``split_kv_segments`` from ``max_context_len``, the longest
+    ``seq_len - q_len`` (known on the host: no sync).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -303,17 +393,32 @@ def tree_attention_triton(
     if out is None:
         out = torch.empty_like(q)
     # Enough q-blocks for any split of num_tokens among num_seqs sequences.
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    q_blocks = num_tokens // block_q + num_seqs
+    if num_segments is None:
+        num_segments = split_kv_segments(max_context_len, q_blocks * num_kv_heads)
+    if not 1 <= num_segments <= MAX_SEGMENTS:
+        raise ValueError(f"num_segments {num_segments}: 1 to {MAX_SEGMENTS}")
+    split = num_segments > 1
+    grid = (q_blocks, num_kv_heads, num_segments)
     has_tree = tree_mask is not None
     dummy = seq_lens  # never read when the matching constexpr flag is off
+    part = ml = dummy
+    if split:
+        part = torch.empty((num_segments, num_tokens, num_q_heads, head_dim),
+                           dtype=torch.float32, device=q.device)
+        ml = torch.empty((num_segments, num_tokens, num_q_heads, 2),
+                         dtype=torch.float32, device=q.device)
     _tree_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_table, seq_lens, query_start_loc,
         tree_mask if has_tree else dummy,
         is_tree if is_tree is not None else dummy,
-        num_seqs, scale * _LOG2E, block_size,
+        part, ml,
+        num_seqs, scale * _LOG2E, block_size, num_tokens, num_segments,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_table.stride(0),
+        NUM_Q_HEADS=num_q_heads,
+        SPLIT=split,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         QPK=qpk,
@@ -325,6 +430,13 @@ def tree_attention_triton(
         # fp32 callers want fp32 accuracy; TF32 would miss a 1e-4 tolerance.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    if split:
+        _merge_segments_kernel[(num_tokens, num_q_heads)](
+            part, ml, out, query_start_loc, num_seqs, num_tokens, num_segments,
+            *out.stride(), NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_S=MAX_SEGMENTS,  # one specialization, compiled at warm-up
+        )
     return out
 
 
@@ -361,12 +473,15 @@ def tree_attention_ref(
     is_tree: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     block_n: int = 32,
+    num_segments: Optional[int] = 1,
+    max_context_len: int = 0,
 ) -> torch.Tensor:
     """Dense per-sequence attention with an explicit mask; same contract as the kernel.
 
-    ``block_n`` is accepted (and ignored) so both functions share a signature.
+    ``block_n``, ``num_segments`` and ``max_context_len`` are accepted (and
+    ignored) so both functions share a signature.
     """
-    del block_n
+    del block_n, num_segments, max_context_len
     num_q_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     qpk = num_q_heads // num_kv_heads

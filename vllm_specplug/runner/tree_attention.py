@@ -347,10 +347,13 @@ def gpu_tree_rows(step: TreeStep, query, kv_cache, block_table, o, head_size: in
 
     g = step.gpu_inputs(query.device)
     k_cache, v_cache = gpu_split_cache(kv_cache, head_size)
+    # long contexts at small batch: the kernel splits them (the root is
+    # context to the nodes' rows)
     out = tree_attention(
         query.index_select(0, g["rows"]), k_cache, v_cache,
         block_table.index_select(0, g["req"]), g["seq_lens"], g["qsl"], scale,
-        tree_mask=g["tree_mask"],
+        tree_mask=g["tree_mask"], num_segments=None,
+        max_context_len=max(r.context_len + 1 for r in step.rows),
     )
     o.index_copy_(0, g["rows"], out.to(o.dtype))
 
@@ -371,7 +374,7 @@ def move_accepted_kv(step: TreeStep, src_rows, dst_rows, head_size: int,
     src = torch.as_tensor(src_rows, dtype=torch.long).to(slots.device, non_blocking=True)
     dst = torch.as_tensor(dst_rows, dtype=torch.long).to(slots.device, non_blocking=True)
     src_slots, dst_slots = slots[src].long(), slots[dst].long()
-    done = set()
+    views, done = [], set()
     for _, kv_cache in step.caches.values():
         # Layers sharing one cache (kv_sharing_target_layer_name) move once:
         # a second pass would read slots the first one already overwrote.
@@ -379,5 +382,34 @@ def move_accepted_kv(step: TreeStep, src_rows, dst_rows, head_size: int,
         if key in done:
             continue
         done.add(key)
-        k, v = slot_views(kv_cache, head_size, layout)
+        views += slot_views(kv_cache, head_size, layout)
+    if layout == "gpu" and _move_all_layers(views, src_slots, dst_slots):
+        return
+    for k, v in zip(views[::2], views[1::2]):
         kv_move(k, v, src_slots, dst_slots)
+
+
+_CACHE_TABLES: dict[tuple, torch.Tensor] = {}
+"""Base-address tables of the layer caches (``kv_move.cache_table``), by
+the caches' addresses: built once per engine, not per step."""
+
+
+def _move_all_layers(views: list[torch.Tensor], src_slots, dst_slots) -> bool:
+    """Every layer's K and V moved in one launch pair (GPU), or False where
+    the kernel cannot take these caches (then each layer moves alone)."""
+    from vllm_specplug.kernels import use_triton
+    from vllm_specplug.kernels.kv_move import _kv_gather_table_kernel, cache_table, kv_move_caches
+
+    if not views or not use_triton(_kv_gather_table_kernel, views[0], src_slots):
+        return False
+    key = tuple((v.data_ptr(), v.shape, v.stride(), v.dtype) for v in views)
+    table = _CACHE_TABLES.get(key)
+    if table is None:
+        try:
+            table = cache_table(views)
+        except ValueError:
+            return False
+        _CACHE_TABLES.clear()  # one engine per process: only the latest caches
+        _CACHE_TABLES[key] = table
+    kv_move_caches(views, src_slots, dst_slots, table)
+    return True

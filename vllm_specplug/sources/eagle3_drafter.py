@@ -107,7 +107,9 @@ class Eagle3DrafterConfig(MethodConfig):
     prefix_store_tokens: int = Field(default=1 << 16, ge=0)
     """Head K/V positions kept (LRU, by token prefix) for prompt blocks vLLM
     serves from its prefix cache; a request whose cached prefix is not in the
-    store drafts nothing (counted as ``store_misses``). A block is served
+    store drafts nothing (counted as ``store_misses``; a prefix that ends
+    where the requests part is served from a block stored before another
+    token, ``store_near_hits``). A block is served
     only to requests of the tenant that stored it (``isolation``); requests
     without a tenant (isolation ``strict``) neither store nor fill. Memory,
     on the engine's device: this many positions of head K/V (see
@@ -314,7 +316,7 @@ class Eagle3Drafter(Proposer):
             counters={"extended_rows": s.extended_rows, "draft_head_rows": s.head_rows,
                       "draft_head_passes": s.head_passes,
                       "draft_steps": self._steps, "stopped_cost": s.stopped_cost,
-                      "store_hits": s.store_hits,
+                      "store_hits": s.store_hits, "store_near_hits": s.store_near_hits,
                       "store_misses": s.store_misses, "kv_capped": s.kv_capped,
                       "held_fed_at_cap": self.held_fed_at_cap},
             gauges={"head": os.path.basename(os.path.normpath(self.head_dir)),
