@@ -58,59 +58,13 @@ Cache = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 @triton.jit
-def _slot_row(slot, layer, BLOCK_SIZE, stride_l, stride_b, stride_t):
-    """Element offset of (layer, slot) in a cache with the given strides."""
-    return layer * stride_l + (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_t
+def _slot_row(slot, BLOCK_SIZE, stride_b, stride_t):
+    """Element offset of ``slot`` in a cache with the given strides."""
+    return (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_t
 
 
 @triton.jit
 def _kv_gather_kernel(
-    cache_ptr, scratch_ptr, src_ptr, dst_ptr,
-    n, BLOCK_SIZE, num_feat,
-    stride_l, stride_b, stride_t, stride_h, stride_d,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-):
-    """scratch[layer, i, f] = cache[layer, src[i], f] for non-skipped entries."""
-    i = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
-    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
-    src = tl.load(src_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
-    if (src == dst) | (src < 0) | (dst < 0):
-        return
-    mask = offs_f < num_feat
-    feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
-    row = _slot_row(src, layer, BLOCK_SIZE, stride_l, stride_b, stride_t)
-    vals = tl.load(cache_ptr + row + feat, mask=mask)
-    tl.store(scratch_ptr + (layer * n + i) * num_feat + offs_f, vals, mask=mask)
-
-
-@triton.jit
-def _kv_scatter_kernel(
-    cache_ptr, scratch_ptr, src_ptr, dst_ptr,
-    n, BLOCK_SIZE, num_feat,
-    stride_l, stride_b, stride_t, stride_h, stride_d,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-):
-    """cache[layer, dst[i], f] = scratch[layer, i, f] for non-skipped entries."""
-    i = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
-    offs_f = tl.program_id(2) * BLOCK_F + tl.arange(0, BLOCK_F)
-    src = tl.load(src_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
-    if (src == dst) | (src < 0) | (dst < 0):
-        return
-    mask = offs_f < num_feat
-    feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
-    row = _slot_row(dst, layer, BLOCK_SIZE, stride_l, stride_b, stride_t)
-    vals = tl.load(scratch_ptr + (layer * n + i) * num_feat + offs_f, mask=mask)
-    tl.store(cache_ptr + row + feat, vals, mask=mask)
-
-
-@triton.jit
-def _kv_gather_table_kernel(
     table_ptr, scratch_ptr, src_ptr, dst_ptr,
     n, BLOCK_SIZE, num_feat,
     stride_b, stride_t, stride_h, stride_d,
@@ -130,13 +84,13 @@ def _kv_gather_table_kernel(
     base = tl.load(table_ptr + c).to(tl.pointer_type(DTYPE))
     mask = offs_f < num_feat
     feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
-    row = _slot_row(src, 0, BLOCK_SIZE, 0, stride_b, stride_t)
+    row = _slot_row(src, BLOCK_SIZE, stride_b, stride_t)
     vals = tl.load(base + row + feat, mask=mask)
     tl.store(scratch_ptr + (c * n + i) * num_feat + offs_f, vals, mask=mask)
 
 
 @triton.jit
-def _kv_scatter_table_kernel(
+def _kv_scatter_kernel(
     table_ptr, scratch_ptr, src_ptr, dst_ptr,
     n, BLOCK_SIZE, num_feat,
     stride_b, stride_t, stride_h, stride_d,
@@ -155,13 +109,14 @@ def _kv_scatter_table_kernel(
     base = tl.load(table_ptr + c).to(tl.pointer_type(DTYPE))
     mask = offs_f < num_feat
     feat = (offs_f // HEAD_DIM) * stride_h + (offs_f % HEAD_DIM) * stride_d
-    row = _slot_row(dst, 0, BLOCK_SIZE, 0, stride_b, stride_t)
+    row = _slot_row(dst, BLOCK_SIZE, stride_b, stride_t)
     vals = tl.load(scratch_ptr + (c * n + i) * num_feat + offs_f, mask=mask)
     tl.store(base + row + feat, vals, mask=mask)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
-              torch.bfloat16: tl.bfloat16}
+              torch.bfloat16: tl.bfloat16, torch.int8: tl.int8, torch.uint8: tl.uint8,
+              torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 def cache_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -197,8 +152,8 @@ def kv_move_caches(caches: Sequence[torch.Tensor], src_slots: torch.Tensor,
     grid = (n, len(caches), triton.cdiv(num_feat, block_f))
     args = (table, scratch, src_slots, dst_slots, n, block_size, num_feat, *first.stride())
     meta = dict(DTYPE=_TL_DTYPES[first.dtype], HEAD_DIM=head_dim, BLOCK_F=block_f)
-    _kv_gather_table_kernel[grid](*args, **meta)
-    _kv_scatter_table_kernel[grid](*args, **meta)
+    _kv_gather_kernel[grid](*args, **meta)
+    _kv_scatter_kernel[grid](*args, **meta)
 
 
 def _as_layers(cache: torch.Tensor) -> torch.Tensor:
@@ -210,16 +165,8 @@ def _as_layers(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _move_one(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    cache5 = _as_layers(cache)
-    num_layers, _, block_size, num_heads, head_dim = cache5.shape
-    n = src.shape[0]
-    num_feat = num_heads * head_dim
-    block_f = min(triton.next_power_of_2(num_feat), 1024)
-    scratch = torch.empty((num_layers, n, num_feat), dtype=cache.dtype, device=cache.device)
-    grid = (n, num_layers, triton.cdiv(num_feat, block_f))
-    args = (cache5, scratch, src, dst, n, block_size, num_feat, *cache5.stride())
-    _kv_gather_kernel[grid](*args, HEAD_DIM=head_dim, BLOCK_F=block_f)
-    _kv_scatter_kernel[grid](*args, HEAD_DIM=head_dim, BLOCK_F=block_f)
+    """One 4-D cache, or every layer of a stacked 5-D one, in one launch pair."""
+    kv_move_caches(list(_as_layers(cache).unbind(0)), src, dst)
 
 
 def _check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

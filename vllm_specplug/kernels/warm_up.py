@@ -7,7 +7,7 @@ moved slots). A first compilation takes seconds, so a request that brought
 the first tree (or the first two-request batch) would stall for it, outside
 vLLM's warm-up. This launches both kernels on the engine's own cache, with
 the shapes and strides of the runner's real calls, for one and for two
-sequences, with and without split KV, and the all-layers KV move. Nothing
+sequences, with and without split KV, and the KV move. Nothing
 is written: tree attention reads only, and a KV move whose source is its
 destination skips the copy.
 """
@@ -25,7 +25,7 @@ def warm_up_gpu_kernels(kv_cache: torch.Tensor, head_size: int, num_q_heads: int
     ``kv_cache`` (one layer's cache, ``[blocks, kv_heads, block_size,
     2*head]``). ``table_width``: columns of vLLM's block table (its row
     stride, which the kernel takes as an argument)."""
-    from vllm_specplug.kernels.kv_move import kv_move_caches, kv_move_triton
+    from vllm_specplug.kernels.kv_move import kv_move_triton
     from vllm_specplug.kernels.tree_attention import tree_attention_triton, tree_mask_from_parents
 
     dev = kv_cache.device
@@ -41,5 +41,4 @@ def warm_up_gpu_kernels(kv_cache: torch.Tensor, head_size: int, num_q_heads: int
             tree_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, scale,
                                   tree_mask=mask, num_segments=segments)
         same = torch.zeros(num_seqs, dtype=torch.long, device=dev)
-        kv_move_triton(k_cache, v_cache, same, same)
-        kv_move_caches([k_cache, v_cache], same, same)
+        kv_move_triton(k_cache, v_cache, same, same)  # the all-layers kernel, per cache

@@ -398,9 +398,9 @@ def _move_all_layers(views: list[torch.Tensor], src_slots, dst_slots) -> bool:
     """Every layer's K and V moved in one launch pair (GPU), or False where
     the kernel cannot take these caches (then each layer moves alone)."""
     from vllm_specplug.kernels import use_triton
-    from vllm_specplug.kernels.kv_move import _kv_gather_table_kernel, cache_table, kv_move_caches
+    from vllm_specplug.kernels.kv_move import _kv_gather_kernel, cache_table, kv_move_caches
 
-    if not views or not use_triton(_kv_gather_table_kernel, views[0], src_slots):
+    if not views or not use_triton(_kv_gather_kernel, views[0], src_slots):
         return False
     key = tuple((v.data_ptr(), v.shape, v.stride(), v.dtype) for v in views)
     table = _CACHE_TABLES.get(key)
