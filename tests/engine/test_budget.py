@@ -32,6 +32,13 @@ from vllm_specplug.engine.tree import DraftTree
 TREE = DraftTree([5, 7, 6, 9, 8, 4], [-1, -1, 0, 0, 1, 2])
 
 
+def measure(cost: StepCost, rows: int, seconds: float) -> None:
+    """Two steps of ``rows`` at ``seconds``: a knot is on the curve from
+    its second step."""
+    cost.observe(rows, seconds)
+    cost.observe(rows, seconds)
+
+
 def test_shadow_outcomes_follow_the_truth():
     out, done = shadow_outcomes(TREE, [5, 6, 4, 1])
     # depth 1: 5 ok (rank 0), 7 no (rank 1); depth 2 under 5: 6 ok, 9 no;
@@ -69,36 +76,69 @@ def test_subtree_keeps_metadata_and_order():
 def test_step_cost_interpolates_and_extrapolates_optimistically():
     c = StepCost()
     assert not c.known and c(8) == 0.0
-    c.observe(4, 0.040)
-    c.observe(16, 0.100)
+    measure(c, 4, 0.040)
+    measure(c, 16, 0.100)
     assert c(4) == pytest.approx(0.040)
     assert c(16) == pytest.approx(0.100)
     assert c(10) == pytest.approx(0.070)  # halfway between 4 and 16
     # above the largest seen: along the average slope (5 ms a row)
     assert c(64) == pytest.approx(0.100 + 48 * 0.005)
     assert c(2) == pytest.approx(0.020)  # proportional below the smallest seen
-    c.observe(4, 0.050)  # a knot's second step replaces its first (warm-up)
-    assert c(4) == pytest.approx(0.050)
     c.observe(4, 0.060)  # then EMA, alpha 0.2
-    assert c(4) == pytest.approx(0.052)
+    assert c(4) == pytest.approx(0.044)
+
+
+def test_a_knot_enters_the_curve_from_its_second_step_at_the_cheaper():
+    c = StepCost()
+    c.observe(1, 0.025)
+    assert not c.known and c.as_dict() == {}
+    c.observe(1, 0.030)
+    assert c.known and c(1) == pytest.approx(0.025)
+    # a 16-row step stalled (500 ms): left out, the curve stays flat there
+    c.observe(16, 0.500)
+    assert c(16) == pytest.approx(0.025)
+    c.observe(16, 0.045)  # the second: the cheaper of the two
+    assert c(16) == pytest.approx(0.045)
+    # later a stall counts at most twice the knot's value
+    c.observe(16, 0.500)
+    assert c(16) == pytest.approx(0.045 + 0.2 * (0.090 - 0.045))
+
+
+def test_one_stalled_step_does_not_close_the_gate():
+    # batch 1, a chain of 4 nodes each 0.8 likely given its parent; 25 ms
+    # plain steps, 5-row steps at 30 ms. The first 5-row step stalls at
+    # 400 ms: believed, it would make a row cost 94 ms, no cut would pay
+    # and the gate would close until the knot went stale
+    model = AcceptanceModel(max_depth=4, max_rank=1, prior_weight=1e-9)
+    model.engine.seen[:, 0], model.engine.acc[:, 0] = 1e6, 0.8e6
+    ctl = BudgetController(model)
+    measure(ctl.cost, 1, 0.025)
+    chain = DraftTree([5, 6, 7, 8], [-1, 0, 1, 2])
+    for step in range(40):
+        assert ctl.draft_now()
+        _, choice = ctl.choose(["a"], [chain], [3], rows=1)
+        assert choice.sizes == [4]
+        ctl.observe_step(5, 0.400 if step == 0 else 0.030)
+    assert ctl.cost(5) == pytest.approx(0.030)
 
 
 def test_step_cost_forgets_a_knot_it_has_not_seen_for_long():
     # an 8-row step measured at 73 ms (one-time costs) while 1-row steps
     # cost 28 ms: after `stale_after` steps without an 8-row step the knot
     # leaves the curve (optimistic there: flat at the largest fresh knot),
-    # and the next 8-row step replaces it
+    # and starts over: on the curve from the second 8-row step after that
     c = StepCost(stale_after=10)
-    c.observe(8, 0.073)
-    c.observe(8, 0.073)
-    c.observe(8, 0.073)
-    c.observe(1, 0.028)
+    for _ in range(3):
+        c.observe(8, 0.073)
+    measure(c, 1, 0.028)
     assert c(8) == pytest.approx(0.073)
     for _ in range(10):
         c.observe(1, 0.028)
     assert c(8) == pytest.approx(0.028)
     assert set(c.as_dict()) == {"1"}
     c.observe(8, 0.031)
+    assert c(8) == pytest.approx(0.028)
+    c.observe(8, 0.032)
     assert c(8) == pytest.approx(0.031)
 
 
@@ -186,7 +226,7 @@ def test_choice_is_the_brute_force_optimum(slope):
         model.engine.acc[d - 1, r] = p * 1e6
     cost = StepCost()
     for rows in range(1, 40):  # T(R) = 50 ms + slope * (R - 1)
-        cost.observe(rows, 0.050 + slope * (rows - 1))
+        measure(cost, rows, 0.050 + slope * (rows - 1))
     ctl = BudgetController(model, cost)
     other = DraftTree([1, 2, 3, 4], [-1, 0, 1, -1])
     trees = [TREE, other]
@@ -235,7 +275,7 @@ def test_learning_from_shadow_outcomes():
 def test_a_step_without_decoding_requests_keeps_its_trees():
     # prompt chunks only (rows=0): nothing to weigh, nothing may break
     cost = StepCost()
-    cost.observe(1, 0.05)
+    measure(cost, 1, 0.05)
     ctl = BudgetController(cost=cost)
     cut, choice = ctl.choose(["a", "b"], [None, None], [5, 7], rows=0)
     assert cut == [None, None] and choice.sizes == [0, 0]
@@ -249,8 +289,8 @@ def _one_node_controller(p: float, draft_ms: float) -> BudgetController:
     model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
     model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
     cost = StepCost()
-    cost.observe(1, 0.100)
-    cost.observe(2, 0.100)
+    measure(cost, 1, 0.100)
+    measure(cost, 2, 0.100)
     ctl = BudgetController(model, cost)
     ctl.observe_propose(0.001 + draft_ms / 1e3, drafted=True)
     ctl.observe_propose(0.001, drafted=False)
@@ -378,8 +418,8 @@ def test_exploring_step_is_judged_against_one_requests_drafting():
     model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
     model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, 0.5e6
     cost = StepCost()
-    cost.observe(1, 0.100)
-    cost.observe(2, 0.120)
+    measure(cost, 1, 0.100)
+    measure(cost, 2, 0.120)
     ctl = BudgetController(model, cost)
     ctl.observe_propose(0.081, drafted=True, requests=8)
     ctl.observe_propose(0.001, drafted=False, requests=0)
@@ -406,8 +446,8 @@ def test_calibration_scales_optimistic_estimates_down_never_up():
         model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
         model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
         cost = StepCost()
-        cost.observe(1, 0.100)
-        cost.observe(2, 0.100 + row_ms / 1e3)
+        measure(cost, 1, 0.100)
+        measure(cost, 2, 0.100 + row_ms / 1e3)
         return BudgetController(model, cost)
 
     def steps(ctl, n, accepted):
@@ -550,7 +590,7 @@ def test_reset_learning_makes_the_controller_cold():
 def _linear_cost(base_ms: float, per_row_ms: float, upto: int = 40) -> StepCost:
     cost = StepCost()
     for rows in range(1, upto):  # T(R) = base + per_row * (R - 1)
-        cost.observe(rows, (base_ms + per_row_ms * (rows - 1)) / 1e3)
+        measure(cost, rows, (base_ms + per_row_ms * (rows - 1)) / 1e3)
     return cost
 
 

@@ -24,14 +24,20 @@ import numpy as np
 class StepCost:
     """Step time (seconds) vs rows verified in the step, learned online.
 
-    A knot's first step may pay one-time costs (a new shape's first kernels),
-    so its second step replaces it instead of averaging with it. The
-    controller only visits the sizes it believes pay, so a knot measured
-    too dear would never be measured again: a knot not observed for ``stale_after`` steps leaves the
-    curve (which is then optimistic there) and its next step replaces it."""
+    The controller only visits the sizes it believes pay, so a knot measured
+    too dear is not measured again soon: one stalled step (a new shape's
+    first kernels, another process on the CPU) would keep every draft of
+    that size and around it out for ``stale_after`` steps, and at batch 1
+    the gate would close on it. So a knot enters the curve only from its
+    second step, which the curve's optimistic reading there brings about,
+    at the cheaper of its two steps (one-time costs only ever add time);
+    after that a step counts at most ``max_rise`` times the knot's value
+    (a lasting change still shows within a few steps). A knot not observed
+    for ``stale_after`` steps leaves the curve (optimistic there) and starts
+    over."""
 
     def __init__(self, max_rows: int = 1 << 16, ratio: float = 2 ** 0.25,
-                 alpha: float = 0.2, stale_after: int = 256) -> None:
+                 alpha: float = 0.2, stale_after: int = 256, max_rise: float = 2.0) -> None:
         knots, r = [1], 1.0
         while knots[-1] < max_rows:
             r *= ratio
@@ -40,6 +46,7 @@ class StepCost:
         self.knots = knots
         self.alpha = alpha
         self.stale_after = stale_after
+        self.max_rise = max_rise
         self.value = np.zeros(len(knots))
         self.count = np.zeros(len(knots), dtype=np.int64)
         self.last = np.zeros(len(knots), dtype=np.int64)  # clock when observed
@@ -50,7 +57,7 @@ class StepCost:
         # The curve only changes when a step is observed, while the
         # controller reads it once per candidate node: keep the fresh knots'
         # points instead of selecting them on every read.
-        self._fresh = np.flatnonzero((self.count > 0)
+        self._fresh = np.flatnonzero((self.count > 1)
                                      & (self.clock - self.last <= self.stale_after))
         # Verifying more rows never makes a step cheaper, so a knot dearer
         # than a larger one is a one-off (a stall, a new shape, a warm-up
@@ -82,9 +89,12 @@ class StepCost:
             return
         k = self._knot(rows)
         self.clock += 1
-        if self.count[k] <= 1 or self.clock - self.last[k] > self.stale_after:
-            self.value[k] = seconds
+        if self.count[k] == 0 or self.clock - self.last[k] > self.stale_after:
+            self.value[k], self.count[k] = seconds, 0  # provisional
+        elif self.count[k] == 1:
+            self.value[k] = min(self.value[k], seconds)
         else:
+            seconds = min(seconds, self.max_rise * self.value[k])
             self.value[k] += self.alpha * (seconds - self.value[k])
         self.count[k] += 1
         self.last[k] = self.clock
@@ -92,7 +102,8 @@ class StepCost:
 
     @property
     def known(self) -> bool:
-        return bool(self.count.any())
+        """Some knot is on the curve (its second step was measured)."""
+        return bool(self._xs.size)
 
     def __call__(self, rows: int) -> float:
         """Estimated step time at ``rows``; 0 when nothing was measured yet."""
@@ -112,6 +123,7 @@ class StepCost:
         return float(np.interp(rows, xs, ys))
 
     def as_dict(self) -> dict:
-        """The measured knots (ms), those left out of the curve included."""
+        """The knots measured at least twice (ms), those left out of the
+        curve included."""
         return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in self._fresh}
 
