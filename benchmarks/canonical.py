@@ -80,6 +80,11 @@ METHOD_RUNS = (
     Run("respec_relaxed.json", "`respec` relaxed verification (lossy by design)",
         "A grid of relaxed margins (`respec@tT-mM`: `relaxed_tau_nats` T, `relaxed_m` M); "
         "the identical column is the share of outputs that still match plain decoding."),
+    Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: part 2",
+        "QA and math, the second of the three batch-1 parts (docs/benchmarks.md): `plain` "
+        "beside every specplug method, three passes per cell, `auto` included; measured "
+        "with the step-cost curve that waits for a knot's second step (part 3 was measured "
+        "before it). It replaces the headline batch-1 run above once part 1 is measured."),
     Run("all_methods_b1_part3.json", "Every method, batch 1, under the protocol: part 3",
         "Translation and HumanEval's odd half, the third of the three batch-1 parts "
         "(docs/benchmarks.md): `plain` beside every specplug method, three passes per "
@@ -95,6 +100,8 @@ VERIFY_COST = (
     ("verify_cost.json", "Step cost against tree size, batch 1, 8 and 32 (eager)"),
     ("verify_cost_ctx100.json", "Plain step against an 8-node tree step, 100-token context"),
     ("verify_cost_ctx1000.json", "Plain step against an 8-node tree step, 1000-token context"),
+    ("verify_cost_b1_f32.json", "Step cost against tree size, batch 1, float32, compiled "
+     "(the headline runs' setting)"),
 )
 
 SOAK_GLOB = "soak_*.json"

@@ -14,6 +14,7 @@ size on simulated laws, a correct sampler and skewed ones).
 
 from __future__ import annotations
 
+import pytest
 
 from tests.conftest import engine
 from tests.helpers.sampling_stats import Fit, rank_fit
@@ -72,6 +73,30 @@ most ``MAX_SAMPLE_PROMPT`` tokens fit vLLM's CPU default of 4096 tokens a
 step, so no sampled prompt is split; blocks of 32 let later waves of samples
 reuse the prompt's cached KV (vLLM's CPU default of 128 exceeds it)."""
 MAX_SAMPLE_PROMPT = 4096 // 64 - 16
+
+
+class OneEngine:
+    """Base of a method module's ``TestOneEngine``: its greedy and sampling
+    checks through one engine (``llm``, ``SHARED_ENGINE`` plus ``options``),
+    opened after the fixture named ``baseline`` (whose engine must be gone
+    first) and closed before the module's other engine tests (an engine's
+    teardown resets the process's parallel groups, which an open engine
+    still uses)."""
+
+    spec: dict = {}
+    options: dict = {}
+    baseline = "baseline"
+
+    def engine_spec(self, request) -> dict:
+        """The speculative config (a subclass may read other fixtures)."""
+        return self.spec
+
+    @pytest.fixture(scope="class")
+    def llm(self, request, ref_model):
+        request.getfixturevalue(self.baseline)
+        with engine(ref_model, self.engine_spec(request), **self.options,
+                    **SHARED_ENGINE) as llm:
+            yield llm
 
 
 def check_sampling_keeps_distribution(model: str, spec: dict, text: str, n: int = SAMPLES,

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
-from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
+from tests.methods.sampling import OneEngine, check_sampling_on
 from tests.helpers.prompts import PREAMBLE, spec_bench_prompts
 
 pytestmark = pytest.mark.engine
@@ -44,17 +44,11 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-class TestOneEngine:
-    """The greedy and the sampling checks through one engine, closed before
-    the module's other engine tests (an engine's teardown resets the
-    process's parallel groups, which an open engine still uses)."""
+class TestOneEngine(OneEngine):
+    options = dict(enable_prefix_caching=True)
 
-    @pytest.fixture(scope="class")
-    def llm(self, ref_model, store, baseline):
-        """One engine for both (opened after the baseline's)."""
-        with engine(ref_model, {**SPEC, "datastore": store}, enable_prefix_caching=True,
-                    **SHARED_ENGINE) as llm:
-            yield llm
+    def engine_spec(self, request) -> dict:
+        return {**SPEC, "datastore": request.getfixturevalue("store")}
 
     def test_lossless_batch_1_and_8_with_prefix_caching(self, llm, baseline):
         prompts, ref = baseline

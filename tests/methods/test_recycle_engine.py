@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine
 from tests.helpers.engine_checks import check_greedy_equal_on
 from tests.helpers.prompts import COPY_MAX_TOKENS
-from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
+from tests.methods.sampling import OneEngine, check_sampling_on
 
 pytestmark = pytest.mark.engine
 
@@ -17,16 +16,9 @@ pytestmark = pytest.mark.engine
 SPEC = {"method": "recycle", "num_speculative_tokens": 8, "cost_aware": False}
 
 
-class TestOneEngine:
-    """The greedy and the sampling checks through one engine, closed before
-    the module's other engine tests (an engine's teardown resets the
-    process's parallel groups, which an open engine still uses)."""
-
-    @pytest.fixture(scope="class")
-    def llm(self, ref_model, copy_baseline):
-        """One engine for both (opened after the baseline's)."""
-        with engine(ref_model, SPEC, **SHARED_ENGINE) as llm:
-            yield llm
+class TestOneEngine(OneEngine):
+    spec = SPEC
+    baseline = "copy_baseline"
 
     def test_recycle_small_budget_copy_path_lossless(self, llm, copy_baseline):
         stats = check_greedy_equal_on(llm, copy_baseline, COPY_MAX_TOKENS)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import engine, greedy, plain_greedy
-from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
+from tests.methods.sampling import OneEngine, check_sampling_on
 
 pytestmark = pytest.mark.engine
 
@@ -48,16 +48,9 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-class TestOneEngine:
-    """The greedy and the sampling checks through one engine, closed before
-    the module's other engine tests (an engine's teardown resets the
-    process's parallel groups, which an open engine still uses)."""
-
-    @pytest.fixture(scope="class")
-    def llm(self, ref_model, baseline):
-        """One engine for both (opened after the baseline's)."""
-        with engine(ref_model, SPEC, enable_prefix_caching=True, **SHARED_ENGINE) as llm:
-            yield llm
+class TestOneEngine(OneEngine):
+    spec = SPEC
+    options = dict(enable_prefix_caching=True)
 
     def test_lossless_batch_1_and_8_prefix_caching(self, llm, baseline):
         prompts, ref = baseline

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import engine, plain_greedy
-from tests.methods.sampling import SHARED_ENGINE, check_sampling_on
+from tests.conftest import plain_greedy
+from tests.methods.sampling import OneEngine, check_sampling_on
 from tests.helpers.engine_checks import check_greedy_equal_on, check_preemption_lossless
 from tests.helpers.prompts import COPY_MAX_TOKENS as MAX_TOKENS
 from tests.helpers.prompts import copy_prompts
@@ -30,16 +30,8 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-class TestOneEngine:
-    """The greedy and the sampling checks through one engine, closed before
-    the module's other engine tests (an engine's teardown resets the
-    process's parallel groups, which an open engine still uses)."""
-
-    @pytest.fixture(scope="class")
-    def llm(self, ref_model, baseline):
-        """One engine for both (opened after the baseline's)."""
-        with engine(ref_model, SPEC, **SHARED_ENGINE) as llm:
-            yield llm
+class TestOneEngine(OneEngine):
+    spec = SPEC
 
     def test_lossless_batch_1_and_8_and_frees_requests(self, llm, baseline):
         stats = check_greedy_equal_on(llm, baseline, MAX_TOKENS)
