@@ -169,6 +169,14 @@ def _move_one(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None
     kv_move_caches(list(_as_layers(cache).unbind(0)), src, dst)
 
 
+def _cache_list(k_cache: Cache, v_cache: Optional[Cache]) -> list[torch.Tensor]:
+    """K's caches then V's (each a cache or a sequence of them)."""
+    caches = list(k_cache) if isinstance(k_cache, (list, tuple)) else [k_cache]
+    if v_cache is not None:
+        caches += list(v_cache) if isinstance(v_cache, (list, tuple)) else [v_cache]
+    return caches
+
+
 def _check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
         raise ValueError("src_slots and dst_slots must be 1-D and of equal length")
@@ -181,9 +189,7 @@ def kv_move_triton(
     _check_slots(src_slots, dst_slots)
     if src_slots.numel() == 0:
         return
-    caches = list(k_cache) if isinstance(k_cache, (list, tuple)) else [k_cache]
-    if v_cache is not None:
-        caches += list(v_cache) if isinstance(v_cache, (list, tuple)) else [v_cache]
+    caches = _cache_list(k_cache, v_cache)
     for cache in caches:
         _move_one(cache, src_slots, dst_slots)
 
@@ -195,9 +201,7 @@ def kv_move_ref(
     _check_slots(src_slots, dst_slots)
     keep = (src_slots != dst_slots) & (src_slots >= 0) & (dst_slots >= 0)
     src, dst = src_slots[keep], dst_slots[keep]
-    caches = list(k_cache) if isinstance(k_cache, (list, tuple)) else [k_cache]
-    if v_cache is not None:
-        caches += list(v_cache) if isinstance(v_cache, (list, tuple)) else [v_cache]
+    caches = _cache_list(k_cache, v_cache)
     for cache in caches:
         cache5 = _as_layers(cache)
         bs = cache5.shape[2]
@@ -209,7 +213,8 @@ def kv_move(
 ) -> None:
     """Triton kernel when it can run on the inputs, torch reference otherwise."""
     first = k_cache[0] if isinstance(k_cache, (list, tuple)) else k_cache
-    if use_triton(_kv_gather_kernel, first, src_slots):
+    # the kernels load and store through a typed table (``_TL_DTYPES``)
+    if first.dtype in _TL_DTYPES and use_triton(_kv_gather_kernel, first, src_slots):
         kv_move_triton(k_cache, v_cache, src_slots, dst_slots)
     else:
         kv_move_ref(k_cache, v_cache, src_slots, dst_slots)
