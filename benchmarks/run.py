@@ -622,9 +622,22 @@ def run_group(jobs: list[dict], logs: list[Path], timeout: float | None,
         alive[w] = False
         return False
 
-    # all warmed up before any is timed (a warm-up would slow the others)
+    # engines start at once, then warm up one at a time (the others
+    # stopped), all before any is timed: a warm-up beside another engine's
+    # would measure a share of the cores, and what a method learns of its
+    # own costs there (a head's time per request) outlives the warm-up
     try:
+        ready = [wait_for(w, "ready") for w in range(len(started))]
         for w in range(len(started)):
+            if not ready[w]:
+                continue
+            for v, (proc, _, _, _) in enumerate(started):
+                _hold(proc, stop=v != w)
+            try:
+                os.write(started[w][3], b"g")
+            except OSError:
+                alive[w] = False
+                continue
             wait_for(w, "warmed")
         for turn in turns:
             # ABBA within the turn list: an order effect (the second of a

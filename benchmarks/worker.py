@@ -138,11 +138,29 @@ def _method_delta(before: dict, after: dict, counters: list[str],
     those differences (``Proposer.rates``), everything else (gauges,
     latency summaries) as of the end of the suite. Subtracting two rates
     would be meaningless."""
-    out = {k: after[k] - before.get(k, 0) if k in counters else after[k] for k in after}
+    out = {k: after[k] - before.get(k, 0) if k in counters
+           else _latency_delta(before.get(k), after[k]) for k in after}
     from vllm_specplug import registry
 
     if registry.is_registered(method):
         out.update(registry.get(method).rates({k: out[k] for k in counters if k in out}))
+    return out
+
+
+def _latency_delta(before, after):
+    """A latency summary (``RunningStat.as_ms``: ``n``, ``mean_ms``,
+    ``total_s``, ...) over the suite alone: its count, total and mean from
+    the differences, and the engine's slowest call so far as
+    ``engine_max_ms`` (the warm-up's first calls, which the engine pays once,
+    are in it; a maximum cannot be differenced). Anything else as ``after``."""
+    if not (isinstance(after, dict) and "n" in after and (after["n"] == 0 or "total_s" in after)):
+        return after
+    prev = before if isinstance(before, dict) else {}
+    n = after["n"] - prev.get("n", 0)
+    total = after.get("total_s", 0.0) - prev.get("total_s", 0.0)
+    out = {"n": n, "total_s": total, "mean_ms": 1e3 * total / n if n else None}
+    if "max_ms" in after:
+        out["engine_max_ms"] = after["max_ms"]
     return out
 
 
@@ -289,17 +307,23 @@ def run(job: dict) -> dict:
                                 ignore_eos=job["ignore_eos"], seed=job["seed"])
         # Warm-up (not timed, not counted): prompts of the suites' typical
         # lengths made of neutral filler text, so first-use costs of prefill
-        # and decode shapes do not land on the first suite.
+        # and decode shapes do not land on the first suite. Paired runs warm
+        # their engines up one at a time (the harness's turn signal): what a
+        # method measures of its own costs here (a head's time per request)
+        # outlives the warm-up, and engines warming up at once would each
+        # measure a share of the cores.
+        _go(job)
+        warm_from = time.time()
         for ids in job["warmup_prompts"]:
             warm = [TokensPrompt(prompt_token_ids=ids)] * min(2, job["batch_size"])
             llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=16,
                                               ignore_eos=True), use_tqdm=False)
+        result["warmup_span"] = [warm_from, time.time()]
         if job["kind"] == "specplug":
             # the warm-up is for shapes, not for learning: repetitive filler
             # is drafted almost perfectly and would open the budget's gate
-            # for the first suite, and in paired runs it shares the CPU with
-            # the other engine's warm-up, so its step times are not this
-            # engine's (engine/budget.BudgetController.reset_learning); the
+            # for the first suite, and its step times are those of a cold
+            # engine (engine/budget.BudgetController.reset_learning); the
             # first suite meets what a user's first requests meet
             llm.collective_rpc("specplug_reset_budget")
         result["cpu_linear"] = cpu_linear_state(job["kind"], _specplug_stats(llm))

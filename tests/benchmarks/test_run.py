@@ -155,6 +155,10 @@ def test_paired_run_times_the_two_engines_in_turn(tmp_path):
     # in turn, call by call, who goes first alternating (ABBA)
     assert [t for _, _, t in spans] == ["base", "pld", "pld", "base"] * 2
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never at once
+    # the two warm-ups one after the other, both before the first timed call
+    warm = sorted(json.loads(next(logs.glob(p)).read_text())["warmup_span"]
+                  for p in ("*_pld_b2_base.result.json", "*_pld_b2.result.json"))
+    assert warm[0][1] <= warm[1][0] and warm[1][1] <= spans[0][0]
 
 
 @pytest.mark.engine

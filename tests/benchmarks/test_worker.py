@@ -36,6 +36,26 @@ def test_declared_counters_are_subtracted_everything_else_kept():
     assert m == {"n": 3, "size": 5, "query": {"n": 9}}
 
 
+def test_latency_summaries_are_over_the_suite_alone():
+    """A proposer's timing summary (``RunningStat.as_ms``) at the suite's
+    end includes the engine's warm-up: its count, total and mean are taken
+    from the differences, and the maximum says it is the engine's."""
+    from vllm_specplug.engine.stats import RunningStat
+
+    timer = RunningStat()
+    for seconds in (5.0, 0.002):  # a warm-up's first call, then a usual one
+        timer.add(seconds)
+    before = {"method": {"extend": timer.as_ms(), "draft": {"n": 0}}, "method_counters": []}
+    for seconds in (0.001, 0.003):
+        timer.add(seconds)
+    after = {"method": {"extend": timer.as_ms(), "draft": {"n": 0}}, "method_counters": []}
+    m = _stats_delta(before, after, "eagle3_tree")["method"]
+    assert m["extend"]["n"] == 2 and abs(m["extend"]["mean_ms"] - 2.0) < 1e-9
+    assert abs(m["extend"]["total_s"] - 0.004) < 1e-12
+    assert m["extend"]["engine_max_ms"] == 5000.0 and "max_ms" not in m["extend"]
+    assert m["draft"] == {"n": 0, "total_s": 0.0, "mean_ms": None}
+
+
 def test_budget_counters_are_per_suite_estimates_as_of_the_end():
     # the budget's stats over a suite: counters (steps, nodes, expected vs
     # realised, size histogram) as differences; the learned curve and

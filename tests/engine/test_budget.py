@@ -14,6 +14,7 @@ import pytest
 from vllm_specplug.engine.budget import (
     AcceptanceModel,
     BudgetController,
+    DraftGate,
     FixedBudget,
     StepCost,
     make_budget,
@@ -402,11 +403,30 @@ def test_gate_ignores_the_catch_up_of_the_first_draft_after_a_gap():
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
     ctl.observe_propose(0.010, drafted=True)  # the next drafted step counts
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
-    # ... but a step after a gap that was cheaper lowers the estimate
-    # (drafting got cheaper while the gate was closed)
+    # ... but a step after a gap that was cheaper lowers the estimate, half
+    # the way (drafting got cheaper while the gate was closed)
     ctl.observe_propose(0.001, drafted=False)
     ctl.observe_propose(0.006, drafted=True)
-    assert ctl.gate.draft_seconds == pytest.approx(0.009 + 0.2 * (0.005 - 0.009))
+    assert ctl.gate.draft_seconds == pytest.approx(0.009 + 0.5 * (0.005 - 0.009))
+
+
+def test_drafting_cost_trusts_a_cheaper_step_at_once_a_dearer_one_slowly():
+    """A request's first drafting steps cost what it pays once (its indexes,
+    a head fed its prompt): measured first, 23 ms against the usual 10, they
+    must not keep drafting priced at 23 ms while only exploring steps come
+    to correct it. Worked by hand: a cheaper step halves the gap, a dearer
+    one moves a fifth of the way, counted at most twice the estimate."""
+    gate = DraftGate()
+    gate.observe_propose(0.023, drafted=True)
+    gate.observe_propose(0.010, drafted=True)
+    assert gate.propose_seconds[True] == pytest.approx(0.0165)
+    gate.observe_propose(0.010, drafted=True)
+    assert gate.propose_seconds[True] == pytest.approx(0.01325)
+    gate.observe_propose(0.500, drafted=True)  # a stall: counts as 2 x 13.25 ms
+    assert gate.propose_seconds[True] == pytest.approx(0.01325 * 1.2)
+    gate.observe_propose(0.001, drafted=False)  # not drafting: a plain average
+    gate.observe_propose(0.003, drafted=False)
+    assert gate.propose_seconds[False] == pytest.approx(0.001 + 0.2 * 0.002)
 
 
 def test_exploring_step_is_judged_against_one_requests_drafting():

@@ -128,3 +128,30 @@ def test_one_launch_pair_refuses_caches_of_different_shapes():
     k, v = _caches(seed=1)
     with pytest.raises(ValueError, match="one shape"):
         cache_table([k, v[:2]])
+
+
+@pytest.mark.parametrize("num_layers", [None, 3])
+def test_k_and_v_in_one_launch_pair_unless_their_strides_differ(num_layers, monkeypatch):
+    """K and V (every layer of a stacked cache too) share one gather-scatter
+    pair; a V of other strides than K gets a pair of its own, same result."""
+    import vllm_specplug.kernels.kv_move as kv_move_module
+
+    launches = []
+    real = kv_move_module.kv_move_caches
+    monkeypatch.setattr(kv_move_module, "kv_move_caches",
+                        lambda caches, *a: launches.append(len(caches)) or real(caches, *a))
+    src, dst = (torch.tensor(x, dtype=torch.int64) for x in CASES["cycle"])
+    layers = 1 if num_layers is None else num_layers
+    k_cache, v_cache = _caches(num_layers, seed=5)
+    want_k, want_v = _oracle(k_cache, src, dst), _oracle(v_cache, src, dst)
+    kv_move_triton(k_cache, v_cache, src, dst)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert launches == [2 * layers]
+
+    launches.clear()
+    # the same values with block offsets outer in memory: other strides
+    v_other = v_cache.transpose(-4, -3).contiguous().transpose(-4, -3)
+    want_k, want_v = _oracle(k_cache, src, dst), _oracle(v_cache, src, dst)
+    kv_move_triton(k_cache, v_other, src, dst)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_other, want_v)
+    assert launches == [layers, layers]

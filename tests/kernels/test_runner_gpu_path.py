@@ -160,6 +160,7 @@ def _layouts():
 @pytest.mark.parametrize("layout", _layouts(), ids=lambda x: x.name)
 def test_tree_rows_and_kv_move_on_backend_cache(backend, layout, monkeypatch):
     from vllm_specplug.runner.tree_attention import (
+        LayerMoves,
         TreeAttentionWrapper,
         TreeStep,
         gpu_split_cache,
@@ -205,8 +206,12 @@ def test_tree_rows_and_kv_move_on_backend_cache(backend, layout, monkeypatch):
     real = kv_move_module.kv_move_caches
     monkeypatch.setattr(kv_move_module, "kv_move_caches",
                         lambda views, *a: batched.append(len(views)) or real(views, *a))
-    move_accepted_kv(step, src, dst, D, "gpu")
+    moves = LayerMoves(D, "gpu")
+    move_accepted_kv(step, src, dst, moves)
     assert batched == [2 * len(caches)]
+    table = moves.table
+    move_accepted_kv(step, dst[:1], dst[:1], moves)  # src == dst: nothing to copy
+    assert batched == [2 * len(caches)] * 2 and moves.table is table  # built once
     for name, kv in caches.items():
         k_cache, v_cache = gpu_split_cache(kv, D)
         want = before[name].clone()

@@ -39,6 +39,7 @@ def test_warm_up_launches_each_specialization_and_writes_nothing(monkeypatch):
     assert all(a[3].stride(0) == 40 for a in attention)  # the real block table's stride
     assert all(a[1].data_ptr() == cache.data_ptr() for a in attention)  # the engine's cache
     assert [a[2].shape[0] for a in moves] == [1, 2]
-    # the KV move's one kernel (kv_move_caches), for this layer's K and V, n = 1 and 2
+    # the KV move's one kernel (kv_move_caches), for this layer's K and V
+    # together (one shape and strides: one launch pair), n = 1 and 2
     assert [(len(a[0]), a[1].shape[0]) for n, a, _ in calls if n == "move_all"] == \
-        [(1, 1), (1, 1), (1, 2), (1, 2)]
+        [(2, 1), (2, 2)]

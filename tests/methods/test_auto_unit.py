@@ -30,6 +30,29 @@ def test_a_request_whose_head_adds_nothing_stops_asking_and_explores():
     assert asked == [False, False, False, True] * 2  # every 4th step explores
 
 
+def test_one_slow_head_call_does_not_price_the_head_out():
+    """A first call measured while another process held the cores (250 ms
+    where the head costs 5): the next usual call brings the estimate half
+    the way down at once, and a request whose head adds one accepted token
+    a step (10 ms saved) asks again within a few calls. A dearer call
+    counts at most twice the estimate."""
+    use = _HeadUse(explore_every=100, weight=4.0, decay=1.0)  # no exploring here
+    for _ in range(40):
+        use.observe("r", 1)
+    use.cost(0.250, 1)
+    assert not use.asks(_req(0.010))
+    calls = 0
+    while not use.asks(_req(0.010)):
+        use.cost(0.005, 1)
+        calls += 1
+    # 250 -> 127.5 -> 66.3 -> 35.6 -> 20.3 -> 12.7 -> 8.8 ms: below what
+    # the head's token a step saves (10 ms x 0.999 accepted a step)
+    assert calls == 6
+    assert abs(use.seconds - 0.008828125) < 1e-12
+    use.cost(1.0, 1)  # a stall: counts as 2 x 8.8 ms, a tenth of the way
+    assert abs(use.seconds - 0.008828125 * 1.1) < 1e-12
+
+
 def test_a_request_whose_head_adds_tokens_keeps_asking():
     use = _HeadUse(explore_every=4, weight=4.0, decay=1.0)
     use.cost(0.004, 1)

@@ -8,12 +8,12 @@ Layouts
 -------
 k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim]   one layer, or
                   [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-                  stacked (one launch pair moves every layer); any strides, so the
-                  K and V views vLLM 0.32's FLASH_ATTN/TRITON_ATTN take of a layer
-                  cache ``[blocks, kv_heads, block_size, 2*head]``
+                  stacked; any strides, so the K and V views vLLM 0.32's
+                  FLASH_ATTN/TRITON_ATTN take of a layer cache
+                  ``[blocks, kv_heads, block_size, 2*head]``
                   (``transpose(1, 2).split(head, -1)``) work in every layout.
-                  A list/tuple of per-layer caches is also accepted (one launch
-                  pair per layer).  ``v_cache`` may be None (single-cache layouts).
+                  A list/tuple of per-layer caches is also accepted.
+                  ``v_cache`` may be None (single-cache layouts).
 src_slots, dst_slots  [n] int64, slot = block_id * block_size + offset.
 
 Guarantee
@@ -30,9 +30,10 @@ Programs of one launch run in no defined order, so a single kernel could read
 a source slot after another program overwrote it.  The first launch gathers
 the sources into a scratch buffer, the second scatters it: the launch boundary
 is the global barrier.  n is the number of accepted tokens (tens), so the
-scratch round trip costs far less than the second launch itself.  K and V are
-separate tensors and get a launch pair each; stack layers into one 5-D tensor
-to move a whole model in 4 launches.
+scratch round trip costs far less than the second launch itself.  K and V,
+and every layer given, share one launch pair where they share a shape,
+strides and dtype (as the K and V views of one cache do); otherwise each
+cache gets a pair.
 
 Every layer in one launch pair
 ------------------------------
@@ -189,9 +190,15 @@ def kv_move_triton(
     _check_slots(src_slots, dst_slots)
     if src_slots.numel() == 0:
         return
-    caches = _cache_list(k_cache, v_cache)
-    for cache in caches:
-        _move_one(cache, src_slots, dst_slots)
+    layers = [layer for cache in _cache_list(k_cache, v_cache)
+              for layer in _as_layers(cache).unbind(0)]
+    try:
+        table = cache_table(layers)
+    except ValueError:  # K and V (or the layers) differ in shape or strides
+        for cache in _cache_list(k_cache, v_cache):
+            _move_one(cache, src_slots, dst_slots)
+        return
+    kv_move_caches(layers, src_slots, dst_slots, table)
 
 
 def kv_move_ref(

@@ -41,4 +41,4 @@ def warm_up_gpu_kernels(kv_cache: torch.Tensor, head_size: int, num_q_heads: int
             tree_attention_triton(q, k_cache, v_cache, table, seq_lens, qsl, scale,
                                   tree_mask=mask, num_segments=segments)
         same = torch.zeros(num_seqs, dtype=torch.long, device=dev)
-        kv_move_triton(k_cache, v_cache, same, same)  # the all-layers kernel, per cache
+        kv_move_triton(k_cache, v_cache, same, same)  # the all-layers kernel, K and V at once

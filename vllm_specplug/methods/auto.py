@@ -266,6 +266,10 @@ def _probabilities(tree: DraftTree) -> DraftTree:
     return DraftTree(tree.tokens, tree.parents, scores=scores, sources=None)
 
 
+COST_RISE = 2.0
+"""A head call dearer than its estimate counts at most this many times it."""
+
+
 class _HeadUse:
     """Whether a request asks the head this step: while the head's extra
     accepted nodes per head step, times what an accepted token saves,
@@ -279,7 +283,8 @@ class _HeadUse:
         self.decay = decay
         self.gain = [0.0, 0.0]  # all requests: decayed (accepted, head steps)
         self.requests: dict[str, list[float]] = {}  # accepted, steps, steps since asked
-        self.seconds = [0.0, 0.0]  # decayed (head seconds, requests asked)
+        self.seconds: float | None = None
+        """The head's seconds per request asking (see ``cost``)."""
 
     def remove_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -293,17 +298,30 @@ class _HeadUse:
         self.gain[1] = self.gain[1] * 0.999 + 1
 
     def cost(self, seconds: float, asked: int) -> None:
-        if asked:
-            self.seconds[0] = self.seconds[0] * 0.99 + seconds
-            self.seconds[1] = self.seconds[1] * 0.99 + asked
+        """A head call's time for ``asked`` requests. Contention only ever
+        adds time (another process on the cores, a new shape's first
+        kernels), so a cheaper call than the estimate is trusted at once
+        (half-way) and a dearer one slowly, at most ``COST_RISE`` times the
+        estimate: otherwise one slow call prices the head out of every
+        request for a hundred steps, and a head that is not asked is
+        rarely measured again to correct it."""
+        if not asked:
+            return
+        x, old = seconds / asked, self.seconds
+        if old is None:
+            self.seconds = x
+        elif x < old:
+            self.seconds = old + 0.5 * (x - old)
+        else:
+            self.seconds = old + 0.1 * (min(x, COST_RISE * old) - old)
 
     def asks(self, r: StepRequest) -> bool:
         mine = self.requests.setdefault(r.req_id, [0.0, 0.0, 0])
-        if r.token_seconds <= 0 or not self.seconds[1]:
+        if r.token_seconds <= 0 or self.seconds is None:
             return True  # nothing measured yet: the head's value is unknown
         prior = (self.gain[0] + 0.5) / (self.gain[1] + 1.0)
         per_step = (mine[0] + prior * self.weight) / (mine[1] + self.weight)
-        if per_step * r.token_seconds >= self.seconds[0] / self.seconds[1]:
+        if per_step * r.token_seconds >= self.seconds:
             mine[2] = 0
             return True
         mine[2] += 1

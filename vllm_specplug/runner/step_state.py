@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.runner.tree_attention import TreeStep
+from vllm_specplug.runner.tree_attention import LayerMoves, TreeStep
 
 
 def tp_rank0_float(x: float) -> float:
@@ -110,6 +110,9 @@ class TargetHooks:
     """The KV cache layout the tree attention and the KV move read."""
     head_size: int | None = None
     """The target's attention head size."""
+    layer_moves: LayerMoves | None = None
+    """The KV move's views of the layer caches (``tree_attention.LayerMoves``),
+    made at the first move, for this ``kv_layout`` and ``head_size``."""
 
 
 @dataclasses.dataclass

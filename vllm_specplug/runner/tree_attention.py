@@ -358,58 +358,71 @@ def gpu_tree_rows(step: TreeStep, query, kv_cache, block_table, o, head_size: in
     o.index_copy_(0, g["rows"], out.to(o.dtype))
 
 
-def move_accepted_kv(step: TreeStep, src_rows, dst_rows, head_size: int,
-                     layout: str) -> None:
+def move_accepted_kv(step: TreeStep, src_rows, dst_rows, moves: "LayerMoves") -> None:
     """Copy the K/V of flat rows ``src_rows`` to the slots of ``dst_rows``, in
-    every layer's cache, from the cache's own slots (all sources are read
-    before any destination is written).
-
-    ``layout``: ``"gpu"`` or the CPU layout (see ``slot_views``).
-    """
+    every layer's cache (``moves``: the engine's), from the cache's own slots
+    (all sources are read before any destination is written)."""
     if len(src_rows) == 0 or step.slot_mapping is None:
         return
-    from vllm_specplug.kernels.kv_move import kv_move
-
     slots = step.slot_mapping
     src = torch.as_tensor(src_rows, dtype=torch.long).to(slots.device, non_blocking=True)
     dst = torch.as_tensor(dst_rows, dtype=torch.long).to(slots.device, non_blocking=True)
-    src_slots, dst_slots = slots[src].long(), slots[dst].long()
-    views, done = [], set()
-    for _, kv_cache in step.caches.values():
-        # Layers sharing one cache (kv_sharing_target_layer_name) move once:
-        # a second pass would read slots the first one already overwrote.
-        key = (kv_cache.data_ptr(), tuple(kv_cache.stride()))
-        if key in done:
-            continue
-        done.add(key)
-        views += slot_views(kv_cache, head_size, layout)
-    if layout == "gpu" and _move_all_layers(views, src_slots, dst_slots):
-        return
-    for k, v in zip(views[::2], views[1::2]):
-        kv_move(k, v, src_slots, dst_slots)
+    moves.move(step, slots[src].long(), slots[dst].long())
 
 
-_CACHE_TABLES: dict[tuple, torch.Tensor] = {}
-"""Base-address tables of the layer caches (``kv_move.cache_table``), by
-the caches' addresses: built once per engine, not per step."""
+class LayerMoves:
+    """One engine's layer caches as the KV move takes them: every distinct
+    cache's K and V slot views and, on GPU, their base-address table
+    (``kv_move.cache_table``), built at the first move, not every step.
+    Held by the engine's runner, so the views die with its caches.
+    ``layout``: ``"gpu"`` or the CPU layout (see ``slot_views``)."""
 
+    def __init__(self, head_size: int, layout: str):
+        self.head_size, self.layout = head_size, layout
+        self.views: list[torch.Tensor] = []
+        self.table: torch.Tensor | bool | None = None
+        """The views' address table; False where the kernel cannot take them."""
+        self._addresses: tuple[int, ...] | None = None
 
-def _move_all_layers(views: list[torch.Tensor], src_slots, dst_slots) -> bool:
-    """Every layer's K and V moved in one launch pair (GPU), or False where
-    the kernel cannot take these caches (then each layer moves alone)."""
-    from vllm_specplug.kernels import use_triton
-    from vllm_specplug.kernels.kv_move import _kv_gather_kernel, cache_table, kv_move_caches
+    def move(self, step: TreeStep, src_slots, dst_slots) -> None:
+        caches = [kv for _, kv in step.caches.values()]
+        # The views hold the caches: none of them can be freed and its address
+        # reused while they are here, so equal addresses are the same caches.
+        addresses = tuple(c.data_ptr() for c in caches)
+        if addresses != self._addresses:
+            self._build(caches)
+            self._addresses = addresses
+        if self.layout == "gpu" and self._move_all(src_slots, dst_slots):
+            return
+        from vllm_specplug.kernels.kv_move import kv_move
 
-    if not views or not use_triton(_kv_gather_kernel, views[0], src_slots):
-        return False
-    key = tuple((v.data_ptr(), v.shape, v.stride(), v.dtype) for v in views)
-    table = _CACHE_TABLES.get(key)
-    if table is None:
-        try:
-            table = cache_table(views)
-        except ValueError:
+        for k, v in zip(self.views[::2], self.views[1::2]):
+            kv_move(k, v, src_slots, dst_slots)
+
+    def _build(self, caches: list[torch.Tensor]) -> None:
+        self.views, self.table, done = [], None, set()
+        for kv_cache in caches:
+            # Layers sharing one cache (kv_sharing_target_layer_name) move once:
+            # a second pass would read slots the first one already overwrote.
+            key = (kv_cache.data_ptr(), tuple(kv_cache.stride()))
+            if key not in done:
+                done.add(key)
+                self.views += slot_views(kv_cache, self.head_size, self.layout)
+
+    def _move_all(self, src_slots, dst_slots) -> bool:
+        """Every layer's K and V moved in one launch pair (GPU), or False where
+        the kernel cannot take these caches (then each layer moves alone)."""
+        from vllm_specplug.kernels import use_triton
+        from vllm_specplug.kernels.kv_move import _kv_gather_kernel, cache_table, kv_move_caches
+
+        if self.table is False or not self.views or not use_triton(
+                _kv_gather_kernel, self.views[0], src_slots):
             return False
-        _CACHE_TABLES.clear()  # one engine per process: only the latest caches
-        _CACHE_TABLES[key] = table
-    kv_move_caches(views, src_slots, dst_slots, table)
-    return True
+        if self.table is None:
+            try:
+                self.table = cache_table(self.views)
+            except ValueError:
+                self.table = False
+                return False
+        kv_move_caches(self.views, src_slots, dst_slots, self.table)
+        return True

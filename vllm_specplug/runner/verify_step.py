@@ -32,7 +32,7 @@ from vllm_specplug.engine.verify import (
 from vllm_specplug.request_flags import wants_relaxed
 from vllm_specplug.runner.logit_rows import log_softmax_topk, sampled_child_probs
 from vllm_specplug.runner.step_state import StepState, root_rows
-from vllm_specplug.runner.tree_attention import TreeRow, TreeStep, move_accepted_kv
+from vllm_specplug.runner.tree_attention import LayerMoves, TreeRow, TreeStep, move_accepted_kv
 
 
 def path_chain_metadata(paths, drafts, row_base, device):
@@ -320,4 +320,9 @@ class VerifyMixin:
                     src.append(r.row_start + 1 + j)
                     dst.append(r.row_start + 1 + k)
         self._sp_stats.kv_moves += len(src)
-        move_accepted_kv(step, src, dst, self._sp_target.head_size, self._sp_target.kv_layout)
+        target = self._sp_target
+        moves = target.layer_moves
+        if moves is None or (moves.head_size, moves.layout) != (target.head_size,
+                                                                target.kv_layout):
+            moves = target.layer_moves = LayerMoves(target.head_size, target.kv_layout)
+        move_accepted_kv(step, src, dst, moves)

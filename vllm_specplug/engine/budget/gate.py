@@ -79,6 +79,9 @@ class DraftGate:
         """Longest run of skipped steps the share allows (the estimates must
         not go stale for ever)."""
         self.bound_after = bound_after
+        self.max_rise = 2.0
+        """A drafting step dearer than the estimate counts at most this many
+        times it (see ``_drafting_estimate``)."""
         """Closings in a row (no whole batch's drafting paying in between)
         before ``explore_share`` stretches the skips; until then they are
         2, 4, ... steps."""
@@ -144,11 +147,29 @@ class DraftGate:
             if on is not None and n and requests > 0:
                 equiv = off + (seconds - off) * n / requests  # at n requests
                 if equiv < on:
-                    self.propose_seconds[True] = ema(on, equiv, self.alpha)
+                    self.propose_seconds[True] = self._drafting_estimate(on, equiv)
             return
-        self.propose_seconds[drafted] = ema(self.propose_seconds[drafted], seconds, self.alpha)
         if drafted:
+            self.propose_seconds[True] = self._drafting_estimate(self.propose_seconds[True],
+                                                                 seconds)
             self.drafting_requests = ema(self.drafting_requests, requests, self.alpha)
+        else:
+            self.propose_seconds[False] = ema(self.propose_seconds[False], seconds, self.alpha)
+
+    def _drafting_estimate(self, old: float | None, seconds: float) -> float:
+        """A drafting step's time into the estimate. One-time costs and
+        contention only ever add time (a request's first drafts build its
+        indexes and feed its prompt to a head; another process takes a
+        core), so a cheaper step than the estimate moves it half-way at once
+        and a dearer one by ``alpha``, counted at most ``max_rise`` times the
+        estimate. Otherwise one request's first steps price drafting out:
+        the gate closes, only exploring steps measure again, and each
+        corrected a fifth of the error while the skips between them grew."""
+        if old is None:
+            return seconds
+        if seconds < old:
+            return old + 0.5 * (seconds - old)
+        return ema(old, min(seconds, self.max_rise * old), self.alpha)
 
     def observe_side(self, seconds: float) -> None:
         """Drafting-only work outside the proposer this (drafting) step."""
