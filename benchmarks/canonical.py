@@ -80,16 +80,21 @@ METHOD_RUNS = (
     Run("respec_relaxed.json", "`respec` relaxed verification (lossy by design)",
         "A grid of relaxed margins (`respec@tT-mM`: `relaxed_tau_nats` T, `relaxed_m` M); "
         "the identical column is the share of outputs that still match plain decoding."),
-    Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: part 2",
-        "QA and math, the second of the three batch-1 parts (docs/benchmarks.md): `plain` "
-        "beside every specplug method, three passes per cell, `auto` included; measured "
-        "with the step-cost curve that waits for a knot's second step (part 3 was measured "
-        "before it). It replaces the headline batch-1 run above once part 1 is measured."),
-    Run("all_methods_b1_part3.json", "Every method, batch 1, under the protocol: part 3",
-        "Translation and HumanEval's odd half, the third of the three batch-1 parts "
-        "(docs/benchmarks.md): `plain` beside every specplug method, three passes per "
-        "cell, `auto` included. It replaces the headline batch-1 run above once the "
-        "other two parts are measured."),
+    Run("all_methods_b1_specbench_qa.json", "Every method, batch 1, under the protocol: QA",
+        "One of the seven one-suite batch-1 runs (docs/benchmarks.md): `plain` beside every "
+        "specplug method, three passes per cell, `auto` included, the engines warmed up one "
+        "at a time and the gate's drafting cost trusting a cheaper step at once. With the "
+        "other six it replaces the headline batch-1 run above."),
+    Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: QA and math",
+        "Measured before the gate's drafting-cost estimate was made robust and while the "
+        "paired engines warmed up together: a head method's or `auto`'s gate could stay "
+        "closed for a whole suite in one engine and not in another (QA: `auto` tau 1.09 "
+        "here, 2.18 in the one-suite run). Kept until the one-suite runs replace it."),
+    Run("all_methods_b1_part3.json", "Every method, batch 1, under the protocol: translation "
+        "and HumanEval's odd half",
+        "Measured before the step-cost curve waited for a knot's second step, before the "
+        "gate's drafting-cost estimate was made robust, and with the paired engines "
+        "warming up together. Kept until the one-suite runs replace it."),
     Run("runner_split_before_after.json", "The runner in named parts: before against after",
         "`plain`, `pld` and `respec` from the last commit before the runner was split into "
         "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "
