@@ -104,6 +104,18 @@ def ema(old: float | None, x: float, alpha: float) -> float:
     return x if old is None else old + alpha * (x - old)
 
 
+def cost_ema(old: float | None, x: float, alpha: float, max_rise: float) -> float:
+    """A measured cost into its estimate. Contention and one-time work only
+    ever add time, so a cheaper ``x`` moves ``old`` half-way at once and a
+    dearer one by ``alpha``, counted at most ``max_rise`` times ``old``: one
+    slow measurement cannot price a cost out for long."""
+    if old is None:
+        return x
+    if x < old:
+        return old + 0.5 * (x - old)
+    return ema(old, min(x, max_rise * old), alpha)
+
+
 class RunningStat:
     """Count / mean / min / max / last of a stream of durations (seconds)."""
 

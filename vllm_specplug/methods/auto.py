@@ -46,6 +46,7 @@ from vllm_specplug.engine.interface import (
     ProposerStats,
     StepRequest,
 )
+from vllm_specplug.engine.stats import cost_ema
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.sources import suffix_cache
 from vllm_specplug.sources.copy_path import CopyConfidence
@@ -305,15 +306,8 @@ class _HeadUse:
         estimate: otherwise one slow call prices the head out of every
         request for a hundred steps, and a head that is not asked is
         rarely measured again to correct it."""
-        if not asked:
-            return
-        x, old = seconds / asked, self.seconds
-        if old is None:
-            self.seconds = x
-        elif x < old:
-            self.seconds = old + 0.5 * (x - old)
-        else:
-            self.seconds = old + 0.1 * (min(x, COST_RISE * old) - old)
+        if asked:
+            self.seconds = cost_ema(self.seconds, seconds / asked, 0.1, COST_RISE)
 
     def asks(self, r: StepRequest) -> bool:
         mine = self.requests.setdefault(r.req_id, [0.0, 0.0, 0])

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_specplug.engine.stats import ema
+from vllm_specplug.engine.stats import cost_ema, ema
 
 
 CHEAP_CATCH_UP = 64
@@ -157,19 +157,14 @@ class DraftGate:
             self.propose_seconds[False] = ema(self.propose_seconds[False], seconds, self.alpha)
 
     def _drafting_estimate(self, old: float | None, seconds: float) -> float:
-        """A drafting step's time into the estimate. One-time costs and
-        contention only ever add time (a request's first drafts build its
-        indexes and feed its prompt to a head; another process takes a
-        core), so a cheaper step than the estimate moves it half-way at once
-        and a dearer one by ``alpha``, counted at most ``max_rise`` times the
-        estimate. Otherwise one request's first steps price drafting out:
-        the gate closes, only exploring steps measure again, and each
-        corrected a fifth of the error while the skips between them grew."""
-        if old is None:
-            return seconds
-        if seconds < old:
-            return old + 0.5 * (seconds - old)
-        return ema(old, min(seconds, self.max_rise * old), self.alpha)
+        """A drafting step's time into the estimate (``cost_ema``: a cheaper
+        step half-way at once, a dearer one by ``alpha``, at most
+        ``max_rise`` times the estimate). A request's first drafts build its
+        indexes and feed its prompt to a head; counted like any step, they
+        price drafting out: the gate closes, only exploring steps measure
+        again, and each corrected a fifth of the error while the skips
+        between them grew."""
+        return cost_ema(old, seconds, self.alpha, self.max_rise)
 
     def observe_side(self, seconds: float) -> None:
         """Drafting-only work outside the proposer this (drafting) step."""
