@@ -122,8 +122,8 @@ class Server:
         deadline = time.time() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n"
-                                   + self.tail(3000))
+                raise RuntimeError(f"server exited ({self.proc.returncode}): "
+                                   + self.first_error() + "\n" + self.tail(3000))
             try:
                 http_get(self.base + "/health", timeout=5)
                 self.ready_offset = os.path.getsize(self.log_path)
@@ -140,6 +140,16 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             f.seek(self.ready_offset)
             return f.read()
+
+    def first_error(self) -> str:
+        """The log's first ``SomethingError: ...`` line: the root cause, which
+        vLLM prints well above the traceback a log's tail shows."""
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            for line in f:
+                if re.search(r"\b\w*(Error|Exception): ", line):
+                    return line.strip()
+        return "(no error line in the log)"
 
     def tail(self, n: int) -> str:
         self.log.flush()

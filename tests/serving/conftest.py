@@ -8,6 +8,9 @@ on a 24 GiB machine with 2.3 GiB free and most of the rest reclaimable."""
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _small_kv_cache(monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+@pytest.fixture(scope="package", autouse=True)
+def _small_kv_cache():
+    # Package scope, so it is set before the module-scoped server fixtures.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        yield
