@@ -712,13 +712,16 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
     if method["kind"] != "baseline":
         c = entry["counters"]
         d = c["drafts"]
-        rec.update(drafts=int(d), draft_tokens=int(c["draft_tokens"]),
-                   accepted_tokens=int(c["accepted_tokens"]),
+        rec.update(drafts=round(d), draft_tokens=round(c["draft_tokens"]),
+                   accepted_tokens=round(c["accepted_tokens"]),
                    mean_accepted_length=1 + c["accepted_tokens"] / d if d else 1.0,
-                   tau=report.tau(toks, int(c["accepted_tokens"])),
-                   draft_rate=report.draft_rate(int(d), toks, int(c["accepted_tokens"])),
+                   tau=report.tau(toks, c["accepted_tokens"]),
+                   draft_rate=report.draft_rate(d, toks, c["accepted_tokens"]),
                    acceptance_per_position=[v / d if d else 0.0
                                             for v in c["accepted_tokens_per_pos"]])
+        if entry.get("counters_per_pass"):
+            rec["tau_repeats"] = [report.tau(toks, p["accepted_tokens"])
+                                  for p in entry["counters_per_pass"]]
     stats = entry.get("specplug_stats")
     if method["kind"] == "specplug" and stats is not None:
         secs = (stats.get("propose_seconds") or 0.0) + (stats.get("collect_seconds") or 0.0)
@@ -1089,8 +1092,9 @@ def expand_passes(methods: list[dict], repeats: int) -> list[dict]:
 def merge_passes(results: list[dict]) -> dict:
     """One result from the fresh-engine passes of a method (pass k's
     worker timed once per suite, beside the baseline's pass k when paired):
-    per suite, the passes' wall times in order, the first pass's outputs
-    and counters, every pass's outputs for the lossless check."""
+    per suite, the passes' wall times in order, the first pass's outputs,
+    the passes' mean spec-decode counters (tau from every engine, as the
+    speed is), every pass's counters and outputs."""
     bad = next(((k, r) for k, r in enumerate(results) if r["status"] != "ok"), None)
     merged = {**results[0], "fresh_engine_per_pass": True, "suites": [],
               "peak_memory_mib": max((r.get("peak_memory_mib") or 0 for r in results),
@@ -1104,6 +1108,9 @@ def merge_passes(results: list[dict]) -> dict:
             continue  # a pass without this suite: the record says so
         entry = {**first, "wall_seconds_repeats": [e["wall_seconds"] for e in entries],
                  "outputs_per_pass": [e["outputs"] for e in entries]}
+        if all(e.get("counters") for e in entries):
+            entry["counters_per_pass"] = [e["counters"] for e in entries]
+            entry["counters"] = mean_counters(entry["counters_per_pass"])
         entry["wall_seconds"] = statistics.median(entry["wall_seconds_repeats"])
         bases = [e.get("paired_baseline") for e in entries]
         if all(bases):
@@ -1113,6 +1120,20 @@ def merge_passes(results: list[dict]) -> dict:
                 "wall_seconds_repeats": [w[min(k, len(w) - 1)] for k, w in enumerate(walls)]}
         merged["suites"].append(entry)
     return merged
+
+
+def mean_counters(per_pass: list[dict]) -> dict:
+    """The passes' spec-decode counters, averaged (a list counter element by
+    element). Greedy passes generate the same tokens, so the mean accepted
+    count over the generated tokens is the passes' pooled tau."""
+    out = {}
+    for key, first in per_pass[0].items():
+        values = [c[key] for c in per_pass]
+        if isinstance(first, list):
+            out[key] = [statistics.fmean(v) for v in zip(*values)]
+        else:
+            out[key] = statistics.fmean(values)
+    return out
 
 
 def run_one_group(tags: list[str], stems: list[str], ms: list[dict], base: dict, batch: int,

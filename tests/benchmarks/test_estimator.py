@@ -124,3 +124,22 @@ def test_fresh_engine_passes_merge_into_one_cell():
     merged = run.merge_passes(passes)
     assert merged["status"] == "error" and merged["reason"] == "pass 2: boom"
     assert merged["suites"] == []
+
+
+def test_fresh_engine_passes_give_tau_from_every_pass():
+    # 100 tokens each; accepted 20, 50 and 80: taus 1.25, 2 and 5, pooled
+    # 100 / (100 - 50) = 2 (not pass 1's 1.25)
+    def one(accepted, drafts):
+        entry = _entry([1.0])
+        entry["counters"] = {"drafts": drafts, "draft_tokens": 2 * drafts,
+                             "accepted_tokens": accepted,
+                             "accepted_tokens_per_pos": [accepted, 0]}
+        return {"status": "ok", "reason": None, "suites": [entry]}
+
+    merged = run.merge_passes([one(20, 40), one(50, 40), one(80, 45)])
+    rec = _record("suffix", merged["suites"][0], BASE, merged)
+    assert rec["tau"] == pytest.approx(2.0)
+    assert rec["tau_repeats"] == pytest.approx([1.25, 2.0, 5.0])
+    assert (rec["drafts"], rec["draft_tokens"], rec["accepted_tokens"]) == (42, 83, 50)
+    assert rec["mean_accepted_length"] == pytest.approx(1 + 50 / (125 / 3))
+    assert rec["acceptance_per_position"] == pytest.approx([50 / (125 / 3), 0.0])
