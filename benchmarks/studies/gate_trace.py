@@ -43,7 +43,7 @@ def _trace_gate(trace: list) -> None:
 
     def traced_observe(self, seconds, drafted, requests=1):
         trace.append({"event": "propose", "ms": 1e3 * seconds, "drafted": drafted,
-                      "exploring": self.exploring})
+                      "exploring": self.exploring, "t": time.perf_counter()})
         return observe(self, seconds, drafted, requests)
 
     def traced_now(self):
@@ -54,6 +54,23 @@ def _trace_gate(trace: list) -> None:
     g.DraftGate.judge = traced_judge
     g.DraftGate.observe_propose = traced_observe
     g.DraftGate.draft_now = traced_now
+
+    from vllm_specplug.engine.budget import controller as c
+
+    observe_step, learn = c.BudgetController.observe_step, c.BudgetController.learn
+
+    def traced_step(self, rows, seconds):
+        trace.append({"event": "step", "rows": rows, "forward_ms": 1e3 * seconds,
+                      "t": time.perf_counter()})
+        return observe_step(self, rows, seconds)
+
+    def traced_learn(self, req_id, token_ids, accepted=None):
+        if accepted is not None:
+            trace.append({"event": "accepted", "tokens": accepted})
+        return learn(self, req_id, token_ids, accepted)
+
+    c.BudgetController.observe_step = traced_step
+    c.BudgetController.learn = traced_learn
 
 
 def main() -> None:

@@ -672,3 +672,30 @@ def test_exploring_asks_a_request_whose_catch_up_is_cheap():
     # among cheap requests (at most CHEAP_CATCH_UP rows) round robin again
     cheap = [CHEAP_CATCH_UP, 1, 3000, 0]
     assert [pick_explorer(t, cheap) for t in range(4)] == [0, 1, 3, 3]
+
+
+def test_no_gate_verdict_before_a_plain_step_was_measured():
+    # batch 1, the first drafted steps verify 5 rows at 60 ms; plain steps
+    # (1 row) take 25 ms but none was measured yet. Below its smallest
+    # knot the curve reads 60 ms * 1/5 = 12 ms a plain step: judged on
+    # that, a chain worth 2.4 tokens per step would look like a loss and
+    # close the gate. With no verdict, drafting goes on (the cut, free to
+    # trust the optimistic reading, measures the plain step) until plain's
+    # own cost is on the curve; then drafting is judged on it, and pays:
+    # the best cut keeps 3 nodes (1 + 0.8 + 0.64 + 0.512 = 2.95 tokens in a
+    # 4-row step, 25 + 3 * 8.75 = 51.25 ms, 6 ms drafting: 2.95 / 57.25 ms
+    # > 1 / 25 ms; a 4th node, 0.41 tokens for 8.75 ms, lowers the rate).
+    model = AcceptanceModel(max_depth=4, max_rank=1, prior_weight=1e-9)
+    model.engine.seen[:, 0], model.engine.acc[:, 0] = 1e6, 0.8e6
+    ctl = BudgetController(model)
+    chain = DraftTree([5, 6, 7, 8], [-1, 0, 1, 2])
+    measure(ctl.cost, 5, 0.060)
+    ctl.observe_propose(0.006, drafted=True)
+    assert not ctl.cost.measured_up_to(1) and ctl.cost(1) == pytest.approx(0.012)
+    assert ctl.draft_now()
+    _, choice = ctl.choose(["a"], [chain], [3], rows=1)
+    assert choice.sizes == [0]  # plain looks cheap: the cut measures it
+    assert ctl.draft_now() and ctl.gate._backoff == 1  # no verdict: not closed
+    measure(ctl.cost, 1, 0.025)
+    _, choice = ctl.choose(["a"], [chain], [3], rows=1)
+    assert choice.sizes == [3] and ctl.gate.open

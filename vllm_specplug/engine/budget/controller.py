@@ -232,7 +232,11 @@ class BudgetController:
         cal = self.calibration
         plain = rows / self.cost(rows) if self.cost.known and rows > 0 else 0.0
         best_k, best_rate = self._best_prefix(order, rows, cal, plain)
-        if self.cost.known and rows > 0 and order:
+        if rows > 0 and order and self.cost.measured_up_to(rows):
+            # Not before plain decoding's own step was measured: the curve
+            # below its smallest knot is optimistic (to try smaller trees),
+            # and a first drafted step judged on it (a 17-row step's 54 ms
+            # read as 3 ms per plain step) closes the gate on no evidence.
             self._judge_gate(order[:best_k], trees, rows, cal, plain)
         keep = [np.zeros(len(t), dtype=bool) if t is not None else None for t in trees]
         for _, _, j, i in order[:best_k]:

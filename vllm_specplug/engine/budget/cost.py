@@ -105,6 +105,13 @@ class StepCost:
         """Some knot is on the curve (its second step was measured)."""
         return bool(self._xs.size)
 
+    def measured_up_to(self, rows: int) -> bool:
+        """Some knot at or below ``rows`` is on the curve, so ``self(rows)``
+        is measured or interpolated, not the optimistic extrapolation below
+        the smallest knot (which makes plain decoding look many times
+        cheaper than it is)."""
+        return bool(self._xs.size) and self._xs[0] <= rows
+
     def __call__(self, rows: int) -> float:
         """Estimated step time at ``rows``; 0 when nothing was measured yet."""
         xs, ys = self._xs, self._ys
