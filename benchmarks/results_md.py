@@ -3,7 +3,7 @@
 ``python -m benchmarks.report`` writes both; ``--check`` compares them. A
 generated block in README.md or docs/**/*.md is the text between
 
-    <!-- BEGIN generated: benchmarks.report summary -->  (or: method NAME, isolation)
+    <!-- BEGIN generated: benchmarks.report summary -->  (or: method NAME, isolation, auto)
     <!-- END generated -->
 
 and only that text is replaced; everything else in the file stays byte for byte.
@@ -21,7 +21,7 @@ from benchmarks.report import record_draft_rate, record_tau, run_mode
 
 COMMAND = "python -m benchmarks.report"
 BLOCK = re.compile(r"(<!-- BEGIN generated: benchmarks\.report "
-                   r"(summary|isolation|method ([\w@.-]+)) -->\n)"
+                   r"(summary|isolation|auto|method ([\w@.-]+)) -->\n)"
                    r"(.*?)(<!-- END generated -->)", re.S)
 SPEEDUP_NOTE = (
     "Speedups are against stock vLLM plain decoding (`none`). The specplug engines also "
@@ -459,6 +459,51 @@ def method_block(method: str, link: str) -> str:
     return "\n".join(lines)
 
 
+AUTO_LEAVES_OUT = {"auto", "plain", "oracle"}
+"""Not single methods ``auto`` is held against (itself, the plugin's engine
+drafting nothing, the test method)."""
+
+
+def _best_single(cells: dict, suite: str, figure) -> tuple[str, float] | None:
+    """The single specplug method with the highest ``figure(record)`` on
+    ``suite`` (name, value)."""
+    scored = [(figure(r), m) for (m, s), (r, _) in cells.items()
+              if s == suite and m not in AUTO_LEAVES_OUT and _ok(r)
+              and r["method_kind"] == "specplug" and figure(r) is not None]
+    if not scored:
+        return None
+    value, name = max(scored)
+    return name, value
+
+
+def auto_block(link: str) -> str:
+    """``auto`` against the best single specplug method of each suite and
+    batch size, on tau and on speculation speedup (its targets: 0.97x)."""
+    batches = sorted(C.ALL_METHODS)
+    cells = {b: best_cells(b) for b in batches}
+    if not any(m == "auto" for b in batches for m, _ in cells[b]):
+        return f"`auto` is not in the all-methods runs yet; see [RESULTS.md]({link})."
+    lines = ["| batch | suite | tau | best single (tau) | ratio | speculation speedup "
+             "| best single (speculation speedup) | ratio |", "|---" * 8 + "|"]
+    for b in batches:
+        for s in dict.fromkeys(s for _, s in cells[b]):
+            rec = cells[b].get(("auto", s), (None, False))[0]
+            if not _ok(rec):
+                continue
+            row = [str(b), s]
+            for figure in (record_tau, lambda r: r.get("speculation_speedup")):
+                mine, best = figure(rec), _best_single(cells[b], s, figure)
+                row.append(_f(mine))
+                row.append("–" if best is None else f"{best[0]} ({best[1]:.2f})")
+                row.append("–" if best is None or mine is None else f"{mine / best[1]:.2f}")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Ratio: `auto`'s figure over the best single specplug method's on the "
+              "same suite and batch size, each method's best taken apart (tau and speed can "
+              "have different leaders). " + SPECULATION_NOTE
+              + f" Runs, machine and commands: [RESULTS.md]({link})."]
+    return "\n".join(lines)
+
+
 def fill_blocks(text: str, path: Path) -> str:
     """``text`` of the file at ``path`` with every generated block re-rendered."""
     link = _rel(C.RESULTS_MD, path)
@@ -467,6 +512,8 @@ def fill_blocks(text: str, path: Path) -> str:
         kind = m.group(2)
         if kind == "summary":
             body = summary_block(link)
+        elif kind == "auto":
+            body = auto_block(link)
         elif kind == "isolation":
             body = "\n".join(isolation_table() + ["", f"Runs, machine and commands: [RESULTS.md]({link})."])
         else:
