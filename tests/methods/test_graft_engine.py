@@ -50,6 +50,9 @@ def test_lossless_under_preemption(ref_model, baseline):
     assert stats["preempted"] > 0 and stats["accepted_tokens"] > 0
 
 
+# slow: the rule that keeps the distribution is the runner's tree sampling, checked
+# in the default suite for every source at once (auto) and for the head (eagle3_tree)
+@pytest.mark.slow
 def test_sampling_keeps_target_distribution(ref_model):
     spec = {**SPEC, "num_speculative_tokens": 8, "depth": 3, "topk": 4,
             "checkpoints": [0, 1]}
