@@ -65,3 +65,18 @@ def test_held_out_suites_are_refused(name):
 def test_calibration_suites_are_allowed(name):
     assert suites.held_out_reason(name) is None
     suites.check_not_held_out([name], "may not use")
+
+
+def test_a_mixed_suite_interleaves_its_parts_one_by_one():
+    qa, rag, odd = (suites.load(n) for n in ("specbench:qa", "specbench:rag", "humaneval:odd"))
+    mixed = suites.load("specbench:qa+specbench:rag+humaneval:odd")
+    assert mixed.texts[:6] == [qa.texts[0], rag.texts[0], odd.texts[0],
+                               qa.texts[1], rag.texts[1], odd.texts[1]]
+    assert len(mixed.texts) == len(qa.texts) + len(rag.texts) + len(odd.texts)
+    # a part that runs out leaves the others' turns
+    short = suites.load("specbench:qa+humaneval:odd")
+    assert short.texts[-1] == odd.texts[-1] and short.texts.count(odd.texts[-1]) == 1
+    assert suites.held_out_reason("specbench:qa+humaneval:odd").startswith("humaneval:odd")
+    assert suites.held_out_reason("specbench:qa+specbench:translation") is None
+    with pytest.raises(ValueError, match="two or more"):
+        suites.load("specbench:qa+")

@@ -32,6 +32,11 @@ A suite is a named list of user messages (first turn only). Built-in suites:
     Every other prompt of a suite other than ``specbench`` (0-based even or
     odd positions), e.g. a method's datastore built on ``humaneval:even`` and
     measured on ``humaneval:odd``.
+``<suite>+<suite>+...``
+    Mixed traffic: the named suites' prompts interleaved one by one (the
+    first of each, then the second of each, ...), e.g.
+    ``specbench:qa+specbench:rag+humaneval:odd``; with a limit the first
+    prompts of that order, so every suite takes its turn.
 any path to a ``.jsonl`` file
     One prompt per row: field ``prompt`` (string), ``turns`` (list; the first
     is used) or ``text``. The suite is named after the file's stem.
@@ -44,6 +49,7 @@ with a message naming the package to install).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +146,8 @@ SPLITS = {"even": 0, "odd": 1}
 
 def load(name: str) -> Suite:
     """The suite ``name`` (its texts, in the order prompts are taken)."""
+    if "+" in name:
+        return _mixed(name)
     base, _, sub = name.partition(":")
     if base != "specbench" and sub in SPLITS:
         suite = load(base)
@@ -224,9 +232,23 @@ _HELD_OUT_SUITES = {
 }
 
 
+def _mixed(name: str) -> Suite:
+    """``a+b+...``: the suites' texts interleaved one by one."""
+    parts = [load(part) for part in name.split("+") if part]
+    if len(parts) < 2:
+        raise ValueError(f"suite '{name}': a mixed suite names two or more suites "
+                         "joined by '+'")
+    texts = [text for row in itertools.zip_longest(*(p.texts for p in parts))
+             for text in row if text is not None]
+    return Suite(name, " + ".join(p.source for p in parts), texts)
+
+
 def held_out_reason(name: str) -> str | None:
     """Why the suite ``name`` must not build a datastore or tune a method;
     None if it may (a prompt file of one's own always may)."""
+    if "+" in name:
+        return next((f"{part}: {why}" for part in name.split("+")
+                     if (why := held_out_reason(part))), None)
     base, _, sub = name.partition(":")
     if base in _HELD_OUT_BASES:
         return _HELD_OUT_BASES[base]
