@@ -699,3 +699,8 @@ def test_no_gate_verdict_before_a_plain_step_was_measured():
     measure(ctl.cost, 1, 0.025)
     _, choice = ctl.choose(["a"], [chain], [3], rows=1)
     assert choice.sizes == [3] and ctl.gate.open
+    # rows counted at a knot above them (9 rows: knot 10) are measured there
+    cost = StepCost()
+    measure(cost, 9, 0.050)
+    assert cost.as_dict() == {"10": 50.0}
+    assert cost.measured_up_to(9) and cost.measured_up_to(12) and not cost.measured_up_to(7)

@@ -106,11 +106,12 @@ class StepCost:
         return bool(self._xs.size)
 
     def measured_up_to(self, rows: int) -> bool:
-        """Some knot at or below ``rows`` is on the curve, so ``self(rows)``
-        is measured or interpolated, not the optimistic extrapolation below
-        the smallest knot (which makes plain decoding look many times
-        cheaper than it is)."""
-        return bool(self._xs.size) and self._xs[0] <= rows
+        """Some knot at or below ``rows``'s own knot (where its steps are
+        counted) is on the curve, so ``self(rows)`` is measured or
+        interpolated, not the optimistic extrapolation below the smallest
+        knot (which makes plain decoding look many times cheaper than it
+        is)."""
+        return bool(self._xs.size) and self._xs[0] <= self.knots[self._knot(rows)]
 
     def __call__(self, rows: int) -> float:
         """Estimated step time at ``rows``; 0 when nothing was measured yet."""
