@@ -11,6 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
+from vllm_specplug.engine.budget.controller import PLAIN_TRIES
 from vllm_specplug.engine.budget import (
     AcceptanceModel,
     BudgetController,
@@ -679,9 +680,9 @@ def test_no_gate_verdict_before_a_plain_step_was_measured():
     # (1 row) take 25 ms but none was measured yet. Below its smallest
     # knot the curve reads 60 ms * 1/5 = 12 ms a plain step: judged on
     # that, a chain worth 2.4 tokens per step would look like a loss and
-    # close the gate. With no verdict, drafting goes on (the cut, free to
-    # trust the optimistic reading, measures the plain step) until plain's
-    # own cost is on the curve; then drafting is judged on it, and pays:
+    # close the gate. There is no verdict until plain's own cost is on the
+    # curve (the same reading cuts the trees to nothing, so plain decoding
+    # gets measured); then drafting is judged on it, and pays:
     # the best cut keeps 3 nodes (1 + 0.8 + 0.64 + 0.512 = 2.95 tokens in a
     # 4-row step, 25 + 3 * 8.75 = 51.25 ms, 6 ms drafting: 2.95 / 57.25 ms
     # > 1 / 25 ms; a 4th node, 0.41 tokens for 8.75 ms, lowers the rate).
@@ -694,11 +695,22 @@ def test_no_gate_verdict_before_a_plain_step_was_measured():
     assert not ctl.cost.measured_up_to(1) and ctl.cost(1) == pytest.approx(0.012)
     assert ctl.draft_now()
     _, choice = ctl.choose(["a"], [chain], [3], rows=1)
-    assert choice.sizes == [0]  # plain looks cheap: the cut measures it
+    assert choice.sizes == [0]  # a plain step, to be measured
     assert ctl.draft_now() and ctl.gate._backoff == 1  # no verdict: not closed
     measure(ctl.cost, 1, 0.025)
     _, choice = ctl.choose(["a"], [chain], [3], rows=1)
     assert choice.sizes == [3] and ctl.gate.open
+    # batch 8 whose plain steps are never measured (a prompt chunk in every
+    # step): no verdict for PLAIN_TRIES steps, then judged on the curve as
+    # it is (the empty cut does not pay for the drafting: closed)
+    ctl = BudgetController(model)
+    measure(ctl.cost, 24, 0.060)
+    ctl.observe_propose(0.006, drafted=True)
+    for _ in range(PLAIN_TRIES):
+        assert ctl.choose(["a"], [chain], [3], rows=8)[1].sizes == [0]
+        assert ctl.gate.surplus is None
+    ctl.choose(["a"], [chain], [3], rows=8)
+    assert ctl.gate.surplus < 0 and not ctl.gate.open
     # rows counted at a knot above them (9 rows: knot 10) are measured there
     cost = StepCost()
     measure(cost, 9, 0.050)

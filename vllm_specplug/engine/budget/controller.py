@@ -65,6 +65,11 @@ def _candidates(trees, probs) -> list[tuple[float, int, int, int]]:
     return cand
 
 
+PLAIN_TRIES = 4
+"""Steps a knot's plain decoding may go unmeasured before the gate is
+judged on the curve as it is (a knot joins the curve on its second step)."""
+
+
 @dataclass
 class Choice:
     """What the controller chose for one step (for stats and tests)."""
@@ -124,6 +129,9 @@ class BudgetController:
         # one workload and not on the next must not keep the first one's
         # calibration).
         self._cal_expected, self._cal_realised = 0.0, 0.0
+        self._plain_tries: dict[int, int] = {}
+        """Steps left without a gate verdict, per knot
+        (``_plain_unmeasured``)."""
 
     # -------------------------------------------------------------- learning
     def learn(self, req_id: str, token_ids, accepted: int | None = None) -> None:
@@ -232,16 +240,33 @@ class BudgetController:
         cal = self.calibration
         plain = rows / self.cost(rows) if self.cost.known and rows > 0 else 0.0
         best_k, best_rate = self._best_prefix(order, rows, cal, plain)
-        if rows > 0 and order and self.cost.measured_up_to(rows):
-            # Not before plain decoding's own step was measured: the curve
-            # below its smallest knot is optimistic (to try smaller trees),
-            # and a first drafted step judged on it (a 17-row step's 54 ms
-            # read as 3 ms per plain step) closes the gate on no evidence.
+        if rows > 0 and order and self.cost.known and not self._plain_unmeasured(rows):
             self._judge_gate(order[:best_k], trees, rows, cal, plain)
         keep = [np.zeros(len(t), dtype=bool) if t is not None else None for t in trees]
         for _, _, j, i in order[:best_k]:
             keep[j][i] = True
         return self._cut(req_ids, trees, probs, keep, cal, best_rate, plain)
+
+    def _plain_unmeasured(self, rows: int) -> bool:
+        """No gate verdict this step: plain decoding's own step at ``rows``
+        is not measured yet. Below its smallest measured knot the curve is
+        optimistic (every row as cheap as there, so that smaller trees get
+        tried), and a drafted step judged on that (a 17-row step's 54 ms
+        read as 3 ms a plain step) closes the gate on no evidence. The same
+        reading makes the cut empty (no draft beats plain decoding's rate
+        there), so the next steps measure plain decoding. At most
+        ``PLAIN_TRIES`` steps per knot: where steps are never all decode
+        (prompt chunks in every one) none is measured, and the step is
+        judged on the curve as it is."""
+        knot = self.cost.knot_of(rows)
+        if self.cost.measured_up_to(rows):
+            self._plain_tries.pop(knot, None)
+            return False
+        tries = self._plain_tries.get(knot, 0)
+        if tries >= PLAIN_TRIES:
+            return False
+        self._plain_tries[knot] = tries + 1
+        return True
 
     def _node_probs(self, req_ids, trees, token_lens) -> list[np.ndarray | None]:
         """Each tree's node acceptance probabilities (None: no tree); every

@@ -107,11 +107,15 @@ class StepCost:
 
     def measured_up_to(self, rows: int) -> bool:
         """Some knot at or below ``rows``'s own knot (where its steps are
-        counted) is on the curve, so ``self(rows)`` is measured or
-        interpolated, not the optimistic extrapolation below the smallest
-        knot (which makes plain decoding look many times cheaper than it
-        is)."""
-        return bool(self._xs.size) and self._xs[0] <= self.knots[self._knot(rows)]
+        counted) was measured (twice, lately), so ``self(rows)`` is not the
+        optimistic extrapolation below every measured knot, which makes
+        plain decoding look many times cheaper than it is. (A measured knot
+        the curve leaves out as a one-off counts: it was measured.)"""
+        return bool(self._fresh.size) and int(self._fresh[0]) <= self._knot(rows)
+
+    def knot_of(self, rows: int) -> int:
+        """The knot (index) whose steps ``rows`` are counted with."""
+        return self._knot(rows)
 
     def __call__(self, rows: int) -> float:
         """Estimated step time at ``rows``; 0 when nothing was measured yet."""
