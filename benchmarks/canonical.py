@@ -83,8 +83,9 @@ METHOD_RUNS = (
     Run("all_methods_b1_specbench_qa.json", "Every method, batch 1, under the protocol: QA",
         "One of the seven one-suite batch-1 runs (docs/benchmarks.md): `plain` beside every "
         "specplug method, three passes per cell, `auto` included, the engines warmed up one "
-        "at a time and the gate's drafting cost trusting a cheaper step at once. With the "
-        "other six it replaces the headline batch-1 run above."),
+        "at a time, the gate's drafting cost trusting a cheaper step at once and no gate "
+        "verdict before a plain step was measured. With the other six it replaces the "
+        "headline batch-1 run above."),
     Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: QA and math",
         "Measured before the gate's drafting-cost estimate was made robust and while the "
         "paired engines warmed up together: a head method's or `auto`'s gate could stay "

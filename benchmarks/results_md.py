@@ -468,7 +468,7 @@ def _best_single(cells: dict, suite: str, figure) -> tuple[str, float] | None:
     """The single specplug method with the highest ``figure(record)`` on
     ``suite`` (name, value)."""
     scored = [(figure(r), m) for (m, s), (r, _) in cells.items()
-              if s == suite and m not in AUTO_LEAVES_OUT and _ok(r)
+              if s == suite and m.split("@")[0] not in AUTO_LEAVES_OUT and _ok(r)
               and r["method_kind"] == "specplug" and figure(r) is not None]
     if not scored:
         return None
@@ -488,9 +488,10 @@ def auto_block(link: str) -> str:
     for b in batches:
         for s in dict.fromkeys(s for _, s in cells[b]):
             rec = cells[b].get(("auto", s), (None, False))[0]
-            if not _ok(rec):
-                continue
             row = [str(b), s]
+            if not _ok(rec):
+                lines.append("| " + " | ".join(row + ["–"] * 6) + " |")
+                continue
             for figure in (record_tau, lambda r: r.get("speculation_speedup")):
                 mine, best = figure(rec), _best_single(cells[b], s, figure)
                 row.append(_f(mine))

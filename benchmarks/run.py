@@ -36,8 +36,9 @@ time of that one ``generate`` call per suite, after a short warm-up
 generation; tokens/s = generated tokens / that wall time. Every cell is
 timed ``--repeats R`` times (default 3), R passes: the speedup is the
 median of the per-pass ratios, with min and max (outputs, tau and counters
-are the first pass's; a method that learns online -- the budget's
-estimates -- is warmer in later passes). Passes of one engine run in it one
+are the first pass's -- a method that learns online, the budget's
+estimates, is warmer in later passes -- except with a fresh engine per
+pass, below, where every pass is a first and tau comes from all of them). Passes of one engine run in it one
 after another (vLLM's prefix cache emptied between). A method that drafts
 from earlier requests' outputs (a global suffix tree, an adjacency table:
 ``remembers_outputs``) would draft a later pass from its memory of the
@@ -145,7 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"comma-separated (default: {DEFAULT_METHODS}; quick: none,pld)")
     ap.add_argument("--suites", default=None,
                     help=f"comma-separated: {', '.join(suites_mod.BUILTIN)}, "
-                         "specbench:<category>, or a .jsonl path (default: all four)")
+                         "specbench:<category>, a .jsonl path, or suites joined by '+' "
+                         "(mixed traffic: their prompts interleaved) (default: all four)")
     ap.add_argument("--batch", default=None, help="batch sizes, e.g. 1,8 (default 1,8; quick 1,2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 256 (quick: 32)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
@@ -162,8 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "many times and the median ratio is the speedup, reported with "
                          "its min and max (outputs and counters are the first pass's). A "
                          "method that drafts from earlier outputs (e.g. suffix) gets a "
-                         "fresh engine per pass, so every pass is a first (default 3; "
-                         "quick: 1)")
+                         "fresh engine per pass, so every pass is a first, its counters "
+                         "the passes' mean (default 3; quick: 1)")
     ap.add_argument("--paired", action="store_true",
                     help="time each method in turn with a plain-decoding engine kept up "
                          "beside it, call by call (see --pair-chunk); its speedup is "
@@ -720,7 +722,7 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
                    acceptance_per_position=[v / d if d else 0.0
                                             for v in c["accepted_tokens_per_pos"]])
         if entry.get("counters_per_pass"):
-            rec["tau_repeats"] = [report.tau(toks, p["accepted_tokens"])
+            rec["tau_repeats"] = [report.tau(p["generated_tokens"], p["accepted_tokens"])
                                   for p in entry["counters_per_pass"]]
     stats = entry.get("specplug_stats")
     if method["kind"] == "specplug" and stats is not None:
@@ -1109,8 +1111,9 @@ def merge_passes(results: list[dict]) -> dict:
         entry = {**first, "wall_seconds_repeats": [e["wall_seconds"] for e in entries],
                  "outputs_per_pass": [e["outputs"] for e in entries]}
         if all(e.get("counters") for e in entries):
-            entry["counters_per_pass"] = [e["counters"] for e in entries]
-            entry["counters"] = mean_counters(entry["counters_per_pass"])
+            entry["counters_per_pass"] = [{**e["counters"], "generated_tokens":
+                                           e["generated_tokens"]} for e in entries]
+            entry["counters"] = mean_counters([e["counters"] for e in entries])
         entry["wall_seconds"] = statistics.median(entry["wall_seconds_repeats"])
         bases = [e.get("paired_baseline") for e in entries]
         if all(bases):
@@ -1130,6 +1133,7 @@ def mean_counters(per_pass: list[dict]) -> dict:
     for key, first in per_pass[0].items():
         values = [c[key] for c in per_pass]
         if isinstance(first, list):
+            assert len({len(v) for v in values}) == 1, f"{key}: passes differ in length"
             out[key] = [statistics.fmean(v) for v in zip(*values)]
         else:
             out[key] = statistics.fmean(values)

@@ -80,3 +80,12 @@ def test_a_mixed_suite_interleaves_its_parts_one_by_one():
     assert suites.held_out_reason("specbench:qa+specbench:translation") is None
     with pytest.raises(ValueError, match="two or more"):
         suites.load("specbench:qa+")
+    assert suites.load(" specbench:qa + humaneval:odd ").texts == short.texts
+
+
+def test_a_prompt_file_with_a_plus_in_its_name_is_a_file(tmp_path):
+    path = tmp_path / "c++" / "q+a.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    assert suites.load(str(path)).texts == ["one", "two"]
+    assert suites.held_out_reason(str(path)) is None

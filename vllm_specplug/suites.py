@@ -146,7 +146,7 @@ SPLITS = {"even": 0, "odd": 1}
 
 def load(name: str) -> Suite:
     """The suite ``name`` (its texts, in the order prompts are taken)."""
-    if "+" in name:
+    if _is_mix(name):
         return _mixed(name)
     base, _, sub = name.partition(":")
     if base != "specbench" and sub in SPLITS:
@@ -232,9 +232,15 @@ _HELD_OUT_SUITES = {
 }
 
 
+def _is_mix(name: str) -> bool:
+    """``name`` joins suites with '+' (and is no prompt file's path)."""
+    path = Path(name).expanduser()
+    return "+" in name and path.suffix not in (".jsonl", ".gz") and not path.exists()
+
+
 def _mixed(name: str) -> Suite:
     """``a+b+...``: the suites' texts interleaved one by one."""
-    parts = [load(part) for part in name.split("+") if part]
+    parts = [load(part.strip()) for part in name.split("+") if part.strip()]
     if len(parts) < 2:
         raise ValueError(f"suite '{name}': a mixed suite names two or more suites "
                          "joined by '+'")
@@ -246,8 +252,8 @@ def _mixed(name: str) -> Suite:
 def held_out_reason(name: str) -> str | None:
     """Why the suite ``name`` must not build a datastore or tune a method;
     None if it may (a prompt file of one's own always may)."""
-    if "+" in name:
-        return next((f"{part}: {why}" for part in name.split("+")
+    if _is_mix(name):
+        return next((f"{part}: {why}" for part in map(str.strip, name.split("+"))
                      if (why := held_out_reason(part))), None)
     base, _, sub = name.partition(":")
     if base in _HELD_OUT_BASES:
