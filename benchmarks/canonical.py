@@ -90,7 +90,7 @@ METHOD_RUNS = (
         "Measured before the gate's drafting-cost estimate was made robust and while the "
         "paired engines warmed up together: a head method's or `auto`'s gate could stay "
         "closed for a whole suite in one engine and not in another (QA: `auto` tau 1.09 "
-        "here, 2.18 in the one-suite run). Kept until the one-suite runs replace it."),
+        "here, 2.24 in the one-suite run). Kept until the one-suite runs replace it."),
     Run("all_methods_b1_part3.json", "Every method, batch 1, under the protocol: translation "
         "and HumanEval's odd half",
         "Measured before the step-cost curve waited for a knot's second step, before the "
