@@ -86,6 +86,9 @@ METHOD_RUNS = (
         "at a time, the gate's drafting cost trusting a cheaper step at once and no gate "
         "verdict before a plain step was measured. With the other six it replaces the "
         "headline batch-1 run above."),
+    Run("all_methods_b1_specbench_translation.json",
+        "Every method, batch 1, under the protocol: translation",
+        "The second of the seven one-suite batch-1 runs, measured like the QA run above."),
     Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: QA and math",
         "Measured before the gate's drafting-cost estimate was made robust and while the "
         "paired engines warmed up together: a head method's or `auto`'s gate could stay "
