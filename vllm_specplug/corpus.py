@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +32,14 @@ class CorpusError(ValueError):
 
 
 # ------------------------------------------------------------------ records
+
+
+def interleave(lists: Iterable[Iterable]) -> list:
+    """The lists' items taken in turns: the first of each, then the second
+    of each, ...; a list that runs out leaves the others' turns."""
+    gap = object()
+    return [x for row in itertools.zip_longest(*lists, fillvalue=gap)
+            for x in row if x is not gap]
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict[str, Any]]:

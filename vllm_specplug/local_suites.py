@@ -24,6 +24,8 @@ import importlib.metadata
 import importlib.util
 import itertools
 
+from vllm_specplug.corpus import interleave
+
 CODE_MODULES = ("textwrap", "shlex", "fnmatch", "glob", "heapq", "bisect", "colorsys",
                 "calendar", "difflib", "statistics", "string", "csv", "base64", "quopri",
                 "netrc", "mimetypes", "tokenize", "ipaddress", "fractions", "gettext")
@@ -64,8 +66,7 @@ def code_edit_texts() -> list[str]:
     """Every edit prompt, one per function, the edits taken in turn; the
     modules take turns too (a limit spreads over them)."""
     texts = []
-    functions = (f for row in itertools.zip_longest(*map(_functions, CODE_MODULES))
-                 for f in row if f is not None)
+    functions = interleave(map(_functions, CODE_MODULES))
     for (module, name, source), edit in zip(functions, itertools.cycle(EDITS)):
         texts.append(f"Here is a function from Python's `{module}` module:\n\n"
                      f"```python\n{source}\n```\n\n{edit.format(name=name)} "

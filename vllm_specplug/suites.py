@@ -53,12 +53,17 @@ with a message naming the package to install).
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_specplug.corpus import SHAREGPT_HELDOUT, chat_ids, read_jsonl, sharegpt_user_turns
+from vllm_specplug.corpus import (
+    SHAREGPT_HELDOUT,
+    chat_ids,
+    interleave,
+    read_jsonl,
+    sharegpt_user_turns,
+)
 
 BUILTIN = ("specbench", "humaneval", "mtbench", "gsm8k", "sharegpt", "code_edit", "doc_qa")
 SPECBENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa",
@@ -136,13 +141,7 @@ def _round_robin(rows: list[dict]) -> list[dict]:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(specbench_category(r), []).append(r)
-    out: list[dict] = []
-    queues = [list(g) for g in groups.values()]
-    while any(queues):
-        for q in queues:
-            if q:
-                out.append(q.pop(0))
-    return out
+    return interleave(groups.values())
 
 
 SPLITS = {"even": 0, "odd": 1}
@@ -256,9 +255,7 @@ def _mixed(name: str) -> Suite:
     if len(parts) < 2:
         raise ValueError(f"suite '{name}': a mixed suite names two or more suites "
                          "joined by '+'")
-    texts = [text for row in itertools.zip_longest(*(p.texts for p in parts))
-             for text in row if text is not None]
-    return Suite(name, " + ".join(p.source for p in parts), texts)
+    return Suite(name, " + ".join(p.source for p in parts), interleave(p.texts for p in parts))
 
 
 def held_out_reason(name: str) -> str | None:
