@@ -38,8 +38,9 @@ timed ``--repeats R`` times (default 3), R passes: the speedup is the
 median of the per-pass ratios, with min and max (outputs, tau and counters
 are the first pass's -- a method that learns online, the budget's
 estimates, is warmer in later passes -- except with a fresh engine per
-pass, below, where every pass is a first and tau comes from all of them). Passes of one engine run in it one
-after another (vLLM's prefix cache emptied between). A method that drafts
+pass, below, where every pass is a first and tau comes from all of them).
+Passes of one engine run in it one after another (vLLM's prefix cache
+emptied between). A method that drafts
 from earlier requests' outputs (a global suffix tree, an adjacency table:
 ``remembers_outputs``) would draft a later pass from its memory of the
 first's answers, a speedup no user would see: it gets a fresh engine (its

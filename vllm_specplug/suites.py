@@ -249,9 +249,14 @@ def _is_mix(name: str) -> bool:
     return "+" in name and path.suffix not in (".jsonl", ".gz") and not path.exists()
 
 
+def _mix_parts(name: str) -> list[str]:
+    """The suite names ``a+b+...`` joins."""
+    return [part.strip() for part in name.split("+") if part.strip()]
+
+
 def _mixed(name: str) -> Suite:
     """``a+b+...``: the suites' texts interleaved one by one."""
-    parts = [load(part.strip()) for part in name.split("+") if part.strip()]
+    parts = [load(part) for part in _mix_parts(name)]
     if len(parts) < 2:
         raise ValueError(f"suite '{name}': a mixed suite names two or more suites "
                          "joined by '+'")
@@ -262,7 +267,7 @@ def held_out_reason(name: str) -> str | None:
     """Why the suite ``name`` must not build a datastore or tune a method;
     None if it may (a prompt file of one's own always may)."""
     if _is_mix(name):
-        return next((f"{part}: {why}" for part in map(str.strip, name.split("+"))
+        return next((f"{part}: {why}" for part in _mix_parts(name)
                      if (why := held_out_reason(part))), None)
     base, _, sub = name.partition(":")
     if base in _HELD_OUT_BASES:
