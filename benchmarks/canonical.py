@@ -89,6 +89,10 @@ METHOD_RUNS = (
     Run("all_methods_b1_specbench_translation.json",
         "Every method, batch 1, under the protocol: translation",
         "The second of the seven one-suite batch-1 runs, measured like the QA run above."),
+    Run("all_methods_b1_specbench_mt_bench.json",
+        "Every method, batch 1, under the protocol: MT-bench",
+        "The third of the seven one-suite batch-1 runs, measured like the QA run above. "
+        "MT-bench is held out: nothing was tuned on it."),
     Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: QA and math",
         "Measured before the gate's drafting-cost estimate was made robust and while the "
         "paired engines warmed up together: a head method's or `auto`'s gate could stay "
