@@ -103,6 +103,20 @@ METHOD_RUNS = (
         "Measured before the step-cost curve waited for a knot's second step, before the "
         "gate's drafting-cost estimate was made robust, and with the paired engines "
         "warming up together. Kept until the one-suite runs replace it."),
+    Run("auto_cover_before_after.json", "`auto` asking its head by the cheap sources' cover: "
+        "before against after",
+        "`auto` as it was (label `auto`, 8f786d5) beside `auto` that asks the EAGLE-3 head per "
+        "cover level of the copy and suffix sources (`auto@cover`, run from a worktree with "
+        "`--code`), translation and QA, three fresh engines each. Two of the three "
+        "`auto@cover` engines closed their draft gate on translation early and kept it "
+        "closed (tau 2.21 and 1.36 against 3.16); the gate's lock-out is not specific to "
+        "this change (one of three `auto` engines on MT-bench locked the same way)."),
+    Run("auto_cover_before_after_2.json", "`auto` asking its head by cover: before against "
+        "after, second run",
+        "The same comparison run again, `@old` at 76183ef: each arm's budget also wrote one "
+        "line per gate verdict to a file (the same work in both arms, removed after). No "
+        "engine locked: `auto@cover` 1.92x against 1.76x on translation, 1.48x against 1.40x "
+        "on QA."),
     Run("runner_split_before_after.json", "The runner in named parts: before against after",
         "`plain`, `pld` and `respec` from the last commit before the runner was split into "
         "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "

@@ -61,3 +61,42 @@ def test_a_request_whose_head_adds_tokens_keeps_asking():
     assert all(use.asks(_req(0.010)) for _ in range(8))
     # another request starts from all requests' record, which pays too
     assert use.asks(_req(0.010, "new"))
+
+
+def test_cover_levels():
+    from vllm_specplug.methods.auto import cover_of
+
+    assert [cover_of(x) for x in (0.0, 0.49, 0.5, 1.99, 2.0, 7.0)] == [0, 0, 1, 1, 2, 2]
+
+
+def test_the_head_is_judged_per_cover_level():
+    """Beside a confident copy (level 2) the head added nothing; where
+    nothing else drafted (level 0) it added one token a step: the same
+    request stops asking at level 2 (exploring every 4th step) and keeps
+    asking at level 0 (10 ms saved > 4 ms)."""
+    use = _HeadUse(explore_every=4, weight=4.0, decay=1.0)
+    use.cost(0.004, 1)
+    for _ in range(40):
+        use.observe("r", 0, cover=2)
+        use.observe("r", 1, cover=0)
+    assert [use.asks(_req(0.010), 2) for _ in range(4)] == [False, False, False, True]
+    assert all(use.asks(_req(0.010), 0) for _ in range(4))
+    # a level never seen starts from the prior, half a token a step: 5 ms > 4 ms
+    assert use.asks(_req(0.010), 1)
+
+
+def test_expected_tokens_of_the_cheap_sources():
+    """A copy chain claimed 0.8, 0.6, 0.3 from the root and a suffix node
+    claimed 0.5 (another first token); no evidence yet, so every factor is
+    1: the chances are the claims, and the ``budget`` likeliest count."""
+    from vllm_specplug.engine.tree import DraftTree
+    from vllm_specplug.sources.source_mix import SourceMix
+
+    copy = DraftTree([5, 6, 7], [-1, 0, 1], scores=[0.8, 0.6, 0.3])
+    suffix = DraftTree([9], [-1], scores=[0.5])
+    mix = SourceMix()
+    drafts = [("copy4", copy), ("suffix", suffix)]
+    assert abs(mix.expected("r", drafts, 8) - 2.2) < 1e-9
+    assert abs(mix.expected("r", drafts, 3) - 1.9) < 1e-9  # 0.8 + 0.6 + 0.5
+    assert mix.expected("r", [], 8) == 0.0
+    assert mix.merge("r", drafts, 8, 10) is not None  # expected() left nothing to judge before

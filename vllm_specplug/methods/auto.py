@@ -18,14 +18,19 @@ engine's cost-aware budget then cuts the tree to what pays this step, as
 for every method. Which source paid shows per source in the method's stats
 and on ``/metrics`` (the runner counts accepted tokens by node name).
 
-The head is the one source with a cost of its own (a head pass per depth).
-A request asks for it while what it adds pays: the head's accepted nodes
-per head step (only those no cheaper source also drafted, which keep the
+The head is the one source with a cost of its own (a head pass per depth,
+and feeding it the verified rows). The cheap sources draft first, and a
+request asks for the head while what it adds pays at this step's *cover*
+(how many accepted tokens the cheap sources' tree is expected to give,
+in levels, ``COVER_LEVELS``): the head's accepted nodes per head step at
+that level (only those no cheaper source also drafted, which keep the
 cheaper source's name) times ``token_seconds`` against the head's measured
-time per request, shrunk toward all requests' while a request has little
-evidence; a request that stops asking tries again every
-``head_explore_every`` steps. Verified rows still feed the head's state, in
-one batched pass when a draft is next asked (the drafter holds them).
+time per request, shrunk toward all requests' at that level while a
+request has little evidence; a request that stops asking at a level tries
+again every ``head_explore_every`` steps there. Beside a long confident
+copy the head adds little; where nothing else drafts it adds most. A
+request that does not ask holds its verified rows, fed to the head in one
+batched pass when it next asks.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ class AutoProposer(Proposer):
         self.mix = SourceMix()
         self.head_use = _HeadUse(config.head_explore_every)
         self._counts: dict[str, int] = {}
-        self._asked_head: set[str] = set()  # requests whose last tree the head drafted for
+        self._asked_head: dict[str, int] = {}  # request -> its cover, where the head drafted
 
     def needs(self) -> Needs:
         return self.head.needs() if self.head is not None else Needs()
@@ -129,7 +134,7 @@ class AutoProposer(Proposer):
             self.suffix.stop(req_id)
         self.mix.remove_request(req_id)
         self.head_use.remove_request(req_id)
-        self._asked_head.discard(req_id)
+        self._asked_head.pop(req_id, None)
 
     def catch_up_rows(self, req_id: str, new_rows: int) -> int:
         return self.head.catch_up_rows(req_id, new_rows) if self.head is not None else 0
@@ -138,16 +143,19 @@ class AutoProposer(Proposer):
         for r in batch:
             if r.sampled:
                 self._learn(r)
-        heads = self._head_trees(batch)
-        out: list[DraftTree | None] = [None] * len(batch)
+        # the cheap sources first: whether the head is asked depends on them
+        lookups: list[list[tuple[str, DraftTree]]] = [[] for _ in batch]
         for i in self.deadline.order(batch):
             r = batch[i]
+            if r.sampled and r.budget > 0 and self.deadline.allows(r.req_id):
+                lookups[i] = self._lookups(r)
+        heads = self._head_trees(batch, lookups)
+        out: list[DraftTree | None] = [None] * len(batch)
+        for i, r in enumerate(batch):
             if not r.sampled or r.budget <= 0:
                 continue
             # cheapest source first: a node several drafted is named after it
-            drafts = self._lookups(r) if self.deadline.allows(r.req_id) else []
-            if heads[i] is not None:  # past the deadline: the head's tree alone
-                drafts.append(("head", heads[i]))
+            drafts = lookups[i] + ([("head", heads[i])] if heads[i] is not None else [])
             tree = self.mix.merge(r.req_id, drafts, r.budget, len(r.token_ids),
                                   chain=r.chain_only)
             out[i] = tree
@@ -161,30 +169,39 @@ class AutoProposer(Proposer):
         for source, j in judged.items():
             self._count(f"{source}_accepted", j.accepted)
             self._count(f"{source}_added", j.added)
-        if r.req_id in self._asked_head and judged:
+        cover = self._asked_head.get(r.req_id)
+        if cover is not None and judged:
             # the head pays for what no cheaper source also drafted
             head = judged.get("head")
-            self.head_use.observe(r.req_id, head.added if head is not None else 0)
+            self.head_use.observe(r.req_id, head.added if head is not None else 0, cover)
         if self.suffix is not None:
             self.suffix.sync(r.req_id, r.tenant, r.token_ids, r.num_prompt_tokens)
 
-    def _head_trees(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+    def _head_trees(self, batch: list[StepRequest],
+                    lookups: list[list[tuple[str, DraftTree]]]) -> list[DraftTree | None]:
         """The head's trees (claims: probabilities) for the requests that
-        ask it this step; every request's verified rows feed (or are held
-        for) the head's state."""
+        ask it this step, judged against what the cheap sources already
+        drafted for each (``lookups``); every request's verified rows feed
+        (or are held for) the head's state."""
         if self.head is None:
             return [None] * len(batch)
         always = self.config.use_head == "always"
-        asks = [r.sampled and r.budget > 0 and (always or self.head_use.asks(r))
-                for r in batch]
+        covers = [cover_of(self.mix.expected(r.req_id, found, r.budget))
+                  for r, found in zip(batch, lookups)]
+        asks = [r.sampled and r.budget > 0 and (always or self.head_use.asks(r, c))
+                for r, c in zip(batch, covers)]
         # a request that does not ask holds its rows (budget 0) until it does
         fed = [r if ask or not r.sampled else dataclasses.replace(r, budget=0)
                for r, ask in zip(batch, asks)]
-        self.head.extend(fed)  # paid drafting or not: not the head's cost of asking
         t0 = time.perf_counter()
+        self.head.extend(fed)
         trees = self.head.draft(fed, [r.budget if a else 0 for r, a in zip(fed, asks)])
+        # feeding the rows is part of what asking costs: a request that does
+        # not ask holds them, and they go in one pass when it next asks
         self.head_use.cost(time.perf_counter() - t0, sum(asks))
-        self._asked_head = {r.req_id for r, a in zip(batch, asks) if a}
+        self._asked_head = {r.req_id: c for r, a, c in zip(batch, asks, covers) if a}
+        for c in range(len(COVER_LEVELS) + 1):
+            self._count(f"head_asked_cover{c}", sum(a and k == c for a, k in zip(asks, covers)))
         self._count("head_asked", sum(asks))
         self._count("head_skipped", sum(r.sampled and r.budget > 0 for r in batch) - sum(asks))
         return [None if t is None else _probabilities(t) for t in trees]
@@ -271,10 +288,24 @@ COST_RISE = 2.0
 """A head call dearer than its estimate counts at most this many times it."""
 
 
+COVER_LEVELS = (0.5, 2.0)
+"""Accepted tokens the cheap sources' own tree is expected to give, at
+which a step's cover rises a level: the head's worth is learned per level,
+since what it adds beside a long confident copy is not what it adds where
+nothing else drafts."""
+
+
+def cover_of(expected: float) -> int:
+    """The cover level (0 .. len(COVER_LEVELS)) of a step whose cheap
+    sources are expected to give ``expected`` accepted tokens."""
+    return sum(expected >= level for level in COVER_LEVELS)
+
+
 class _HeadUse:
     """Whether a request asks the head this step: while the head's extra
-    accepted nodes per head step, times what an accepted token saves,
-    exceed what the head costs a request (see the module docstring)."""
+    accepted nodes per head step at this step's cover level, times what an
+    accepted token saves, exceed what the head costs a request (see the
+    module docstring)."""
 
     def __init__(self, explore_every: int, weight: float = 4.0, decay: float = 0.9) -> None:
         self.explore_every = explore_every
@@ -282,21 +313,30 @@ class _HeadUse:
         """Head steps after which a request's own record weighs as much as
         all requests'."""
         self.decay = decay
-        self.gain = [0.0, 0.0]  # all requests: decayed (accepted, head steps)
-        self.requests: dict[str, list[float]] = {}  # accepted, steps, steps since asked
+        levels = len(COVER_LEVELS) + 1
+        self.gain = [[0.0, 0.0] for _ in range(levels)]
+        """Per cover level, all requests: decayed (accepted, head steps)."""
+        self.requests: dict[str, list[list[float]]] = {}
+        """Per request, per cover level: accepted, head steps, steps since asked."""
         self.seconds: float | None = None
         """The head's seconds per request asking (see ``cost``)."""
 
     def remove_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
 
-    def observe(self, req_id: str, accepted: int) -> None:
+    def _mine(self, req_id: str, cover: int) -> list[float]:
+        levels = self.requests.setdefault(
+            req_id, [[0.0, 0.0, 0] for _ in range(len(COVER_LEVELS) + 1)])
+        return levels[cover]
+
+    def observe(self, req_id: str, accepted: int, cover: int = 0) -> None:
         """``accepted``: nodes the head added to the request's last tree
-        that the target produced."""
-        mine = self.requests.setdefault(req_id, [0.0, 0.0, 0])
+        that the target produced; ``cover``: that step's cover level."""
+        mine = self._mine(req_id, cover)
         mine[0], mine[1] = mine[0] * self.decay + accepted, mine[1] * self.decay + 1
-        self.gain[0] = self.gain[0] * 0.999 + accepted
-        self.gain[1] = self.gain[1] * 0.999 + 1
+        gain = self.gain[cover]
+        gain[0] = gain[0] * 0.999 + accepted
+        gain[1] = gain[1] * 0.999 + 1
 
     def cost(self, seconds: float, asked: int) -> None:
         """A head call's time for ``asked`` requests. Contention only ever
@@ -309,11 +349,12 @@ class _HeadUse:
         if asked:
             self.seconds = cost_ema(self.seconds, seconds / asked, 0.1, COST_RISE)
 
-    def asks(self, r: StepRequest) -> bool:
-        mine = self.requests.setdefault(r.req_id, [0.0, 0.0, 0])
+    def asks(self, r: StepRequest, cover: int = 0) -> bool:
+        mine = self._mine(r.req_id, cover)
         if r.token_seconds <= 0 or self.seconds is None:
             return True  # nothing measured yet: the head's value is unknown
-        prior = (self.gain[0] + 0.5) / (self.gain[1] + 1.0)
+        gain = self.gain[cover]
+        prior = (gain[0] + 0.5) / (gain[1] + 1.0)
         per_step = (mine[0] + prior * self.weight) / (mine[1] + self.weight)
         if per_step * r.token_seconds >= self.seconds:
             mine[2] = 0

@@ -148,17 +148,22 @@ class SourceMix:
             mine.setdefault(source, _Evidence()).add(j.expected, j.accepted, self._request_decay)
         return out
 
-    def merge(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]], budget: int,
-              history_len: int, chain: bool = False) -> DraftTree | None:
-        """The ``budget`` likeliest nodes of ``drafts`` (``(source, tree)``,
-        cheapest source first, each tree's ``scores`` its claimed chances)
-        by calibrated chance, as one tree (``chain``: the path with the most
-        expected accepted tokens); remembered to be judged at the next
-        ``observe``. A node several sources drafted takes the highest
-        calibrated chance among them and the name of the cheapest (the first
-        listed): what a costlier source adds is only what no cheaper one
-        drafted. Node names are ``source`` or ``source:<the tree's own name>``."""
-        # path -> [calibrated chance, node name, naming source]
+    def expected(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]],
+                 budget: int) -> float:
+        """Accepted tokens the ``budget`` likeliest nodes of ``drafts`` are
+        expected to give, on the calibrated scale ``merge`` uses: the sum of
+        their chances (a node's score is its chance of being accepted, and
+        never above its parent's, so those nodes form a tree). Nothing is
+        remembered."""
+        scores = sorted((node[0] for node in self._union(req_id, drafts)[0].values()),
+                        reverse=True)
+        return float(sum(scores[:max(0, budget)]))
+
+    def _union(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]]
+               ) -> tuple[dict[tuple[int, ...], list], list[tuple[str, DraftTree, list[float]]]]:
+        """The trees' nodes by path (``[calibrated chance, node name, naming
+        source]``, see ``merge``), and each tree with its chances given the
+        parent."""
         nodes: dict[tuple[int, ...], list] = {}
         own: list[tuple[str, DraftTree, list[float]]] = []
         for source, tree in drafts:
@@ -177,6 +182,19 @@ class SourceMix:
                     nodes[path] = [score, f"{source}:{name}" if name else source, source]
                 else:
                     node[0] = max(node[0], score)
+        return nodes, own
+
+    def merge(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]], budget: int,
+              history_len: int, chain: bool = False) -> DraftTree | None:
+        """The ``budget`` likeliest nodes of ``drafts`` (``(source, tree)``,
+        cheapest source first, each tree's ``scores`` its claimed chances)
+        by calibrated chance, as one tree (``chain``: the path with the most
+        expected accepted tokens); remembered to be judged at the next
+        ``observe``. A node several sources drafted takes the highest
+        calibrated chance among them and the name of the cheapest (the first
+        listed): what a costlier source adds is only what no cheaper one
+        drafted. Node names are ``source`` or ``source:<the tree's own name>``."""
+        nodes, own = self._union(req_id, drafts)
         if not nodes or budget <= 0:
             return None
         paths = list(nodes)  # each after its parent: every tree is topological
