@@ -287,13 +287,13 @@ def test_a_step_without_decoding_requests_keeps_its_trees():
 def _one_node_controller(p: float, draft_ms: float) -> BudgetController:
     """One request, flat step cost (100 ms at 1 or 2 rows), a one-node tree
     accepted with probability ``p`` (lots of evidence), drafting that adds
-    ``draft_ms`` to the proposer's time."""
+    ``draft_ms`` to the proposer's time; its gate past its probation."""
     model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
     model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
     cost = StepCost()
     measure(cost, 1, 0.100)
     measure(cost, 2, 0.100)
-    ctl = BudgetController(model, cost)
+    ctl = BudgetController(model, cost, gate=DraftGate(probation=0))
     ctl.observe_propose(0.001 + draft_ms / 1e3, drafted=True)
     ctl.observe_propose(0.001, drafted=False)
     return ctl
@@ -393,6 +393,70 @@ def test_gate_closes_on_the_average_of_drafted_steps():
     assert ctl.gate.surplus == pytest.approx(1.5 * ctl.cost(1) - ctl.cost(2) - 0.001)
 
 
+def _cold_controller(p: float, gate: DraftGate) -> BudgetController:
+    """As ``_one_node_controller``, with ``gate`` (cold) and no drafting
+    measured yet."""
+    model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
+    model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
+    cost = StepCost()
+    measure(cost, 1, 0.100)
+    measure(cost, 2, 0.100)
+    return BudgetController(model, cost, gate=gate)
+
+
+def _draft_step(ctl: BudgetController, propose_s: float) -> None:
+    """One step the gate let draft: the proposer's time, then the verdict
+    on a one-node tree."""
+    ctl.observe_propose(propose_s, drafted=True)
+    ctl.choose(["a"], [DraftTree([5], [-1])], [3], rows=1)
+
+
+def test_a_cold_gate_explores_every_step_on_probation():
+    # Flat 100 ms steps, a node worth 0.2 tokens (20 ms). The first drafted
+    # step also feeds a head the prompt (drafting 40 ms), the next ones
+    # cost 5 ms. Verdicts by hand: 20 - 40 = -20 ms (closed); the estimate
+    # moves half way to 5 ms at once (22.5 ms): -2.5 ms (closed); 13.75
+    # ms: +6.25 ms (open). On probation the closed gate explores the very
+    # next step each time: open after 3 steps, no step undrafted.
+    ctl = _cold_controller(0.2, DraftGate())
+    seen = []
+    for propose_s in [0.040, 0.005, 0.005]:
+        seen.append(ctl.draft_now())
+        _draft_step(ctl, propose_s)
+    assert seen == [True] * 3
+    assert ctl.gate.open and ctl.gate.verdicts == 3
+    assert ctl.gate.surplus == pytest.approx(0.020 - 0.01375)
+    # past probation (here from the start) the same engine backs off: 2
+    # undrafted steps after the first verdict; the exploring step after
+    # them lowers the estimate alike (22.5 ms: closed again), then 4 more
+    late = _cold_controller(0.2, DraftGate(probation=0))
+    late.draft_now()
+    _draft_step(late, 0.040)
+    undrafted = 0
+    while not late.gate.open:
+        if late.draft_now():
+            _draft_step(late, 0.005)
+        else:
+            late.observe_propose(0.0, drafted=False)
+            undrafted += 1
+    assert undrafted == 2 + 4 and late.gate.verdicts == 3
+
+
+def test_probation_ends_after_its_verdicts():
+    # drafting never pays (a 0.05-token node against 50 ms of drafting):
+    # the first 16 verdicts close the gate with no skipped step between
+    # them, the 17th backs off (2 steps, then 4)
+    ctl = _cold_controller(0.05, DraftGate(probation=16))
+    for _ in range(16):
+        assert ctl.draft_now()
+        _draft_step(ctl, 0.050)
+        assert not ctl.gate.open
+    assert ctl.draft_now()
+    _draft_step(ctl, 0.050)
+    assert [ctl.draft_now() for _ in range(3)] == [False, False, True]
+    assert ctl.as_dict()["gate_verdicts"] == 17
+
+
 def test_gate_ignores_the_catch_up_of_the_first_draft_after_a_gap():
     # drafting steps cost 10 ms; the exploring step after two no-draft steps
     # also feeds the held rows (500 ms) and must not count as drafting cost
@@ -441,7 +505,7 @@ def test_exploring_step_is_judged_against_one_requests_drafting():
     cost = StepCost()
     measure(cost, 1, 0.100)
     measure(cost, 2, 0.120)
-    ctl = BudgetController(model, cost)
+    ctl = BudgetController(model, cost, gate=DraftGate(probation=0))
     ctl.observe_propose(0.081, drafted=True, requests=8)
     ctl.observe_propose(0.001, drafted=False, requests=0)
     assert ctl.gate.draft_cost(8) == pytest.approx(0.080)

@@ -21,7 +21,7 @@ from tests.conftest import plain_greedy
 pytestmark = pytest.mark.engine
 
 VLLM = os.path.join(os.path.dirname(sys.executable), "vllm")
-SPEC = {"method": "respec"}
+SPEC = {"method": "auto", "num_speculative_tokens": 16}  # the README quick start
 PROMPT = ("Repeat this line three times: the cat sat on the mat, "
           "the dog sat on the log.")
 MAX_TOKENS = 32
@@ -120,7 +120,7 @@ def _accepted_tokens(base: str) -> float:
     return accepted
 
 
-def test_vllm_serve_respec_matches_plain_decoding(ref_model, tmp_path):
+def test_vllm_serve_auto_matches_plain_decoding(ref_model, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log_path = str(tmp_path / "vllm_serve.log")

@@ -186,8 +186,9 @@ class AutoProposer(Proposer):
         if self.head is None:
             return [None] * len(batch)
         always = self.config.use_head == "always"
+        # a request that drafts nothing this step needs no cover level
         covers = [cover_of(self.mix.expected(r.req_id, found, r.budget))
-                  for r, found in zip(batch, lookups)]
+                  if r.sampled and r.budget > 0 else 0 for r, found in zip(batch, lookups)]
         asks = [r.sampled and r.budget > 0 and (always or self.head_use.asks(r, c))
                 for r, c in zip(batch, covers)]
         # a request that does not ask holds its rows (budget 0) until it does

@@ -346,6 +346,7 @@ class BudgetController:
         d["explore_ms"] = round(1e3 * (self.gate.explore_seconds or 0.0), 3)
         d["side_ms"] = round(1e3 * (self.gate.side_seconds or 0.0), 3)
         d["gate_proven"] = self.gate.proven  # drafting has paid at least once
+        d["gate_verdicts"] = self.gate.verdicts
         d["calibration"] = round(self.calibration, 3)
         d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
         # per source: the first level's best-ranked estimate and its evidence

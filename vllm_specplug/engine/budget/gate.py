@@ -18,6 +18,15 @@ exploring takes at most ``explore_share`` of the time. Drafting-only work
 the runner does outside the proposer (a prompt's LM-head pass for methods
 that learn from it) counts as drafting cost too, and waits until drafting
 has paid once (a cold engine has no evidence yet).
+
+A cold gate is on *probation* for its first ``probation`` verdicts: closed,
+it explores on every step instead of backing off. The first verdicts rest
+on the dearest measurements an engine makes (a head fed a whole prompt
+before its first draft) and on acceptance estimates that are still the
+prior; backing off on them leaves the gate closed with few exploring steps
+to correct either, each one after a gap whose catch-up may only lower the
+drafting cost, never show what a drafting step costs. A workload on which
+drafting pays could stay undrafted for hundreds of steps that way.
 """
 
 from __future__ import annotations
@@ -67,8 +76,13 @@ class DraftGate:
 
     def __init__(self, alpha: float = 0.2, max_skip: int = 32,
                  explore_share: float = 0.02, max_explore_skip: int = 512,
-                 bound_after: int = 3) -> None:
+                 bound_after: int = 3, probation: int = 16) -> None:
         self.alpha = alpha
+        self.probation = probation
+        """Verdicts (``judge``) a cold gate takes without backing off: closed,
+        it explores on every step until then (see the module docstring)."""
+        self.verdicts = 0
+        """Verdicts taken since start-up (or ``reset_learning``)."""
         self.max_skip = max_skip
         self.explore_share = explore_share
         """At most this share of a closed gate's time goes to exploring: a
@@ -206,6 +220,7 @@ class DraftGate:
         while closing the gate on it skips the next steps' drafts, paying
         ones included. A closed gate's exploring step is judged alone and, if it
         pays, restarts the average."""
+        self.verdicts += 1
         if surplus is not None:
             if self.open and self.surplus is not None:
                 self.surplus = ema(self.surplus, surplus, self.alpha)
@@ -223,6 +238,9 @@ class DraftGate:
                 self._backoff = 1
             return
         self.open = False
+        if self.on_probation:
+            self._skip = 0  # explore the next step: see the module docstring
+            return
         self._backoff = min(2 * self._backoff, self.max_skip)
         self._skip = self._backoff
         # The share bound only after `bound_after` closings without a whole
@@ -234,6 +252,12 @@ class DraftGate:
                 and step_seconds > 0):
             floor = self.explore_seconds / (self.explore_share * step_seconds)
             self._skip = max(self._skip, min(int(np.ceil(floor)), self.max_explore_skip))
+
+    @property
+    def on_probation(self) -> bool:
+        """Still a cold gate's first ``probation`` verdicts (the one just
+        taken included)."""
+        return self.verdicts <= self.probation
 
     @property
     def side_work(self) -> bool:
