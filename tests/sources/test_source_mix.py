@@ -33,6 +33,28 @@ def test_merge_keeps_the_likeliest_nodes_rooted_and_best_path_first():
     assert tree.scores == pytest.approx([0.9, 0.8, 0.7, 0.75])
 
 
+def test_merge_after_expected_starts_from_its_pool():
+    # the same trees as above: expected() pools the copy's tree, merge adds
+    # the head's to that pool; the tree is the one worked by hand above
+    mix = SourceMix()
+    copy = DraftTree([1, 2, 3], [-1, 0, 1], scores=[0.9, 0.8, 0.7])
+    head = DraftTree([1, 4, 5], [-1, 0, -1], scores=[0.6, 0.5, 0.3])
+    assert mix.expected("r", [("copy", copy)], budget=2) == pytest.approx(0.9 + 0.8)
+    tree = mix.merge("r", [("copy", copy), ("head", head)], budget=4, history_len=10)
+    assert tree.tokens == [1, 2, 3, 4] and tree.parents == [-1, 0, 1, 0]
+    assert tree.sources == ["copy", "copy", "copy", "head"]
+    assert tree.scores == pytest.approx([0.9, 0.8, 0.7, 0.75])
+    assert "r" not in mix._pooled  # used once
+    # drafts that do not begin with the pooled trees are pooled afresh
+    mix.expected("s", [("copy", copy)], budget=2)
+    other = DraftTree([1, 2, 3], [-1, 0, 1], scores=[0.9, 0.8, 0.7])
+    tree = mix.merge("s", [("head", head), ("copy", other)], budget=4, history_len=10)
+    assert tree.tokens == [1, 2, 3, 4] and tree.sources == ["head", "copy", "copy", "head"]
+    mix.expected("t", [("copy", copy)], budget=2)
+    mix.remove_request("t")
+    assert "t" not in mix._pooled
+
+
 def test_a_shared_node_takes_the_cheaper_sources_name_and_the_higher_chance():
     mix = SourceMix()
     cheap = DraftTree([7], [-1], scores=[0.2])

@@ -109,6 +109,10 @@ class SourceMix:
         self.sources: dict[str, _Evidence] = {}
         self.requests: dict[str, dict[str, _Evidence]] = {}
         self._last: dict[str, _Drafted] = {}
+        self._pooled: dict[str, tuple[list, dict, list]] = {}
+        """Per request, the drafts ``expected`` last pooled and their pool,
+        for the step's ``merge`` to start from (it adds the drafts that
+        come after them) instead of pooling them again."""
 
     def factor(self, req_id: str, source: str) -> float:
         """How far ``source``'s claims hold for ``req_id`` (1: as claimed)."""
@@ -122,6 +126,7 @@ class SourceMix:
     def remove_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
         self._last.pop(req_id, None)
+        self._pooled.pop(req_id, None)
 
     def observe(self, req_id: str, token_ids: Sequence[int]) -> dict[str, Judged]:
         """Judge the trees drafted for the request's last step against the
@@ -154,18 +159,33 @@ class SourceMix:
         expected to give, on the calibrated scale ``merge`` uses: the sum of
         their chances (a node's score is its chance of being accepted, and
         never above its parent's, so those nodes form a tree). Nothing is
-        remembered."""
-        scores = sorted((node[0] for node in self._union(req_id, drafts)[0].values()),
-                        reverse=True)
+        judged; the pool is kept for the request's next ``merge``."""
+        nodes, own = self._union(req_id, drafts)
+        self._pooled[req_id] = (list(drafts), nodes, own)
+        scores = sorted((node[0] for node in nodes.values()), reverse=True)
         return float(sum(scores[:max(0, budget)]))
 
-    def _union(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]]
+    def _pool_for_merge(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]]):
+        """``_union(drafts)``, from the pool ``expected`` kept where
+        ``drafts`` begin with the drafts it pooled (the same trees)."""
+        pooled = self._pooled.pop(req_id, None)
+        if pooled is not None:
+            before, nodes, own = pooled
+            n = len(before)
+            if n <= len(drafts) and all(a[0] == b[0] and a[1] is b[1]
+                                        for a, b in zip(before, drafts)):
+                return self._union(req_id, drafts[n:], nodes, own)
+        return self._union(req_id, drafts)
+
+    def _union(self, req_id: str, drafts: Sequence[tuple[str, DraftTree]],
+               nodes: dict[tuple[int, ...], list] | None = None,
+               own: list[tuple[str, DraftTree, list[float]]] | None = None
                ) -> tuple[dict[tuple[int, ...], list], list[tuple[str, DraftTree, list[float]]]]:
         """The trees' nodes by path (``[calibrated chance, node name, naming
         source]``, see ``merge``), and each tree with its chances given the
-        parent."""
-        nodes: dict[tuple[int, ...], list] = {}
-        own: list[tuple[str, DraftTree, list[float]]] = []
+        parent; added to ``nodes`` and ``own`` where given."""
+        nodes = {} if nodes is None else nodes
+        own = [] if own is None else own
         for source, tree in drafts:
             if tree is None or not len(tree):
                 continue
@@ -194,7 +214,7 @@ class SourceMix:
         calibrated chance among them and the name of the cheapest (the first
         listed): what a costlier source adds is only what no cheaper one
         drafted. Node names are ``source`` or ``source:<the tree's own name>``."""
-        nodes, own = self._union(req_id, drafts)
+        nodes, own = self._pool_for_merge(req_id, drafts)
         if not nodes or budget <= 0:
             return None
         paths = list(nodes)  # each after its parent: every tree is topological
