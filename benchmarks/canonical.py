@@ -93,6 +93,11 @@ METHOD_RUNS = (
         "Every method, batch 1, under the protocol: MT-bench",
         "The third of the seven one-suite batch-1 runs, measured like the QA run above. "
         "MT-bench is held out: nothing was tuned on it."),
+    Run("all_methods_b1_specbench_math_reasoning.json",
+        "Every method, batch 1, under the protocol: math reasoning",
+        "The fourth of the seven one-suite batch-1 runs, measured like the QA run above, "
+        "with `auto` asking its head per cover level and a cold gate's first 16 verdicts "
+        "on probation. Math reasoning is held out: nothing was tuned on it."),
     Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: QA and math",
         "Measured before the gate's drafting-cost estimate was made robust and while the "
         "paired engines warmed up together: a head method's or `auto`'s gate could stay "
@@ -117,6 +122,13 @@ METHOD_RUNS = (
         "line per gate verdict to a file (the same work in both arms, removed after). No "
         "engine locked: `auto@cover` 1.92x against 1.76x on translation, 1.48x against 1.40x "
         "on QA."),
+    Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
+        "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
+        "beside `auto` whose cold gate explores every step for its first 16 verdicts instead "
+        "of backing off, translation and QA, three fresh engines each. Tau per engine on "
+        "translation: 1.63, 2.17, 1.29 before; 2.16, 2.20, 2.73 after. The gate still "
+        "closes for part of translation after probation (73 of 222 steps gated in one "
+        "engine); earlier runs in which no engine locked reached tau 3.1-3.2 there."),
     Run("runner_split_before_after.json", "The runner in named parts: before against after",
         "`plain`, `pld` and `respec` from the last commit before the runner was split into "
         "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "
