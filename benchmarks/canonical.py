@@ -98,11 +98,6 @@ METHOD_RUNS = (
         "The fourth of the seven one-suite batch-1 runs, measured like the QA run above, "
         "with `auto` asking its head per cover level and a cold gate's first 16 verdicts "
         "on probation. Math reasoning is held out: nothing was tuned on it."),
-    Run("all_methods_b1_part2.json", "Every method, batch 1, under the protocol: QA and math",
-        "Measured before the gate's drafting-cost estimate was made robust and while the "
-        "paired engines warmed up together: a head method's or `auto`'s gate could stay "
-        "closed for a whole suite in one engine and not in another (QA: `auto` tau 1.09 "
-        "here, 2.24 in the one-suite run). Kept until the one-suite runs replace it."),
     Run("all_methods_b1_part3.json", "Every method, batch 1, under the protocol: translation "
         "and HumanEval's odd half",
         "Measured before the step-cost curve waited for a knot's second step, before the "
