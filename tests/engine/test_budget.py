@@ -284,16 +284,23 @@ def test_a_step_without_decoding_requests_keeps_its_trees():
     assert cost(0) > 0
 
 
-def _one_node_controller(p: float, draft_ms: float) -> BudgetController:
+def _cold_controller(p: float, gate: DraftGate) -> BudgetController:
     """One request, flat step cost (100 ms at 1 or 2 rows), a one-node tree
-    accepted with probability ``p`` (lots of evidence), drafting that adds
-    ``draft_ms`` to the proposer's time; its gate past its probation."""
+    accepted with probability ``p`` (lots of evidence), ``gate`` (cold), no
+    drafting measured yet."""
     model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
     model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
     cost = StepCost()
     measure(cost, 1, 0.100)
     measure(cost, 2, 0.100)
-    ctl = BudgetController(model, cost, gate=DraftGate(probation=0))
+    return BudgetController(model, cost, gate=gate)
+
+
+def _one_node_controller(p: float, draft_ms: float) -> BudgetController:
+    """One request, flat step cost (100 ms at 1 or 2 rows), a one-node tree
+    accepted with probability ``p`` (lots of evidence), drafting that adds
+    ``draft_ms`` to the proposer's time; its gate past its probation."""
+    ctl = _cold_controller(p, DraftGate(probation=0))
     ctl.observe_propose(0.001 + draft_ms / 1e3, drafted=True)
     ctl.observe_propose(0.001, drafted=False)
     return ctl
@@ -391,17 +398,6 @@ def test_gate_closes_on_the_average_of_drafted_steps():
     # judged alone (the step-cost curve's 2-row knot is still coming down)
     assert ctl.gate.open
     assert ctl.gate.surplus == pytest.approx(1.5 * ctl.cost(1) - ctl.cost(2) - 0.001)
-
-
-def _cold_controller(p: float, gate: DraftGate) -> BudgetController:
-    """As ``_one_node_controller``, with ``gate`` (cold) and no drafting
-    measured yet."""
-    model = AcceptanceModel(max_depth=1, max_rank=1, prior_weight=1e-9)
-    model.engine.seen[0, 0], model.engine.acc[0, 0] = 1e6, p * 1e6
-    cost = StepCost()
-    measure(cost, 1, 0.100)
-    measure(cost, 2, 0.100)
-    return BudgetController(model, cost, gate=gate)
 
 
 def _draft_step(ctl: BudgetController, propose_s: float) -> None:
