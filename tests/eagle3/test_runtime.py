@@ -156,6 +156,54 @@ def test_dynamic_tree_keeps_the_best_scored_nodes(setup):
     assert kept_d1 >= int((top > worst + 1e-6).sum())
 
 
+def _eagle2_paths(head, ids, aux, m, budget, depth, topk):
+    """EAGLE-2's tree by brute force, from ``chain(forced=path)`` per
+    frontier node: every frontier node's ``topk`` children, the level's best
+    ``topk`` as the next frontier, then the best ``budget`` candidates
+    (stable: ties to the earlier). Returns the kept paths and the gap
+    between the last kept score and the best one left out."""
+    cands, frontier = [], [((), 0.0)]
+    for _ in range(depth):
+        level = []
+        for path, score in frontier:
+            _, outs = _ref_chain(head, ids, aux, m, len(path) + 1, forced=list(path))
+            with torch.no_grad():
+                logp = torch.log_softmax(head.logits(outs[len(path)][None]).float(), -1)[0]
+            vals, draft_ids = logp.topk(topk)
+            level += [(path + (int(d + head.d2t[d]),), score + float(v))
+                      for v, d in zip(vals, draft_ids)]
+        cands += level
+        frontier = sorted(level, key=lambda c: -c[1])[:topk]
+    ranked = sorted(cands, key=lambda c: -c[1])
+    kept = {p for p, _ in ranked[:budget]}
+    assert all(p[:-1] in kept for p in kept if len(p) > 1)  # a child never outscores its parent
+    return kept, ranked[budget - 1][1] - ranked[budget][1]
+
+
+@pytest.mark.parametrize("budget, skips", [(3, True), (6, True), (10, False)])
+def test_dynamic_tree_is_eagle2s_tree_while_skipping_useless_rows(setup, budget, skips):
+    """The frontier nodes that score no better than a request's
+    ``budget``-th candidate are not expanded (their subtrees cannot enter
+    the tree): the trees are still EAGLE-2's, built by brute force, and
+    with a budget below the frontier's reach the head ran fewer rows than
+    the full frontier's."""
+    head, ids, aux = setup
+    depth, topk, checked, rows, full_rows = 4, 4, 0, 0, 0
+    for m in (30, 45, 60, len(ids)):
+        rt = _runtime(head)
+        rt.extend([("a", 0, ids[:m], aux[: m - 1])])
+        tree = rt.draft(["a"], [budget], depth=depth, topk=topk)[0]
+        want, gap = _eagle2_paths(head, ids, aux, m, budget, depth, topk)
+        if gap < 1e-3:
+            continue  # a near tie at the cut: float rounding may pick either
+        checked += 1
+        assert {tuple(_path_tokens(tree, n)) for n in range(len(tree))} == want
+        rows += rt.stats.head_rows
+        full_rows += rt.stats.head_passes * topk
+    assert checked >= 3
+    assert rows < full_rows if skips else rows <= full_rows
+
+
 def test_depth_hook_stops_expansion(setup):
     head, ids, aux = setup
     rt = _runtime(head)

@@ -554,9 +554,12 @@ class Eagle3Runtime:
             parents.append(kids.par)
             if d == max_depth or kids.nxt.shape[1] == 0:
                 break
-            if not self._keep_deepening(front.alive, need, scores, kids.nxt_score, d, hook,
+            kth = _kth_best(scores, need)
+            if not self._keep_deepening(front.alive, kth, kids.nxt_score, d, hook,
                                         token_seconds):
                 break
+            if levels is None and hook is None:
+                kids = _worth_expanding(kids, front.alive, kth)
             self._head_pass(front, ctx, d, kids)
             if timed:
                 self._observe_level(time.perf_counter() - t_level)
@@ -605,18 +608,14 @@ class Eagle3Runtime:
         nxt_row = torch.as_tensor(rows, device=self.device)[nxt] if len(expand_rows) else nxt
         return _Children(tok, score, par, nxt, nxt_score, nxt_row)
 
-    def _keep_deepening(self, alive: torch.Tensor, need: torch.Tensor,
-                        scores: list[torch.Tensor], nxt_score: torch.Tensor, d: int,
+    def _keep_deepening(self, alive: torch.Tensor, kth: torch.Tensor,
+                        nxt_score: torch.Tensor, d: int,
                         hook: DepthHook | None, token_seconds: torch.Tensor | None) -> bool:
         """Stop the requests that need no deeper level (``alive`` is updated
-        in place), in order: the exact early stop, the depth hook, the
-        cost-aware depth. False once none is left (later stops are not
-        asked then)."""
-        have = torch.cat(scores, dim=1)
-        kth = have.topk(min(have.shape[1], int(need.max())), dim=-1).values
-        kth = kth.gather(1, (need.clamp(max=kth.shape[1]) - 1)[:, None])[:, 0]
-        full = need <= have.shape[1]
-        alive &= ~(full & (nxt_score.max(dim=-1).values <= kth))
+        in place), in order: the exact early stop (``kth``: see
+        ``_kth_best``), the depth hook, the cost-aware depth. False once
+        none is left (later stops are not asked then)."""
+        alive &= ~(nxt_score.max(dim=-1).values <= kth)
         if not bool(alive.any()):
             return False
         if hook is not None:
@@ -674,6 +673,34 @@ class Eagle3Runtime:
         front.score = kids.nxt_score
         front.cand = kids.nxt + front.n_cand
         front.n_cand += kids.tok.shape[1]
+
+
+def _kth_best(scores: list[torch.Tensor], need: torch.Tensor) -> torch.Tensor:
+    """Per request, the ``need``-th best score among the candidates drafted
+    so far (``scores``: per depth ``[B, m]``), or -inf while it has fewer:
+    a node never scores above its parent, so nothing below a node that
+    scores no better than this can enter the request's tree."""
+    have = torch.cat(scores, dim=1)
+    kth = have.topk(min(have.shape[1], int(need.max())), dim=-1).values
+    kth = kth.gather(1, (need.clamp(max=kth.shape[1]) - 1)[:, None])[:, 0]
+    return kth.masked_fill(need > have.shape[1], float("-inf"))
+
+
+def _worth_expanding(kids: _Children, alive: torch.Tensor, kth: torch.Tensor) -> _Children:
+    """The next frontier without the nodes no live request can use: those
+    scoring no better than their request's ``kth`` (their subtrees cannot
+    enter its tree; ties go to the shallower node, which is already there).
+    The frontier is sorted best first, so the useful nodes are a prefix of
+    each request's row and the batch keeps the longest prefix. Exact: the
+    trees are those of the whole frontier; only the head rows of subtrees
+    that could never be kept are skipped, and with a budget of a few nodes
+    and a top-10 frontier those are most rows below the first level."""
+    useful = alive[:, None] & (kids.nxt_score > kth[:, None])
+    width = max(1, int(useful.sum(dim=1).max()))
+    if width == kids.nxt.shape[1]:
+        return kids
+    return _Children(kids.tok, kids.score, kids.par, kids.nxt[:, :width],
+                     kids.nxt_score[:, :width], kids.nxt_row[:, :width])
 
 
 @dataclass
