@@ -98,11 +98,9 @@ METHOD_RUNS = (
         "The fourth of the seven one-suite batch-1 runs, measured like the QA run above, "
         "with `auto` asking its head per cover level and a cold gate's first 16 verdicts "
         "on probation. Math reasoning is held out: nothing was tuned on it."),
-    Run("all_methods_b1_part3.json", "Every method, batch 1, under the protocol: translation "
-        "and HumanEval's odd half",
-        "Measured before the step-cost curve waited for a knot's second step, before the "
-        "gate's drafting-cost estimate was made robust, and with the paired engines "
-        "warming up together. Kept until the one-suite runs replace it."),
+    Run("all_methods_b1_humaneval_odd.json",
+        "Every method, batch 1, under the protocol: HumanEval's odd half",
+        "The fifth of the seven one-suite batch-1 runs, measured like the math run above."),
     Run("auto_cover_before_after.json", "`auto` asking its head by the cheap sources' cover: "
         "before against after",
         "`auto` as it was (label `auto`, 8f786d5) beside `auto` that asks the EAGLE-3 head per "
