@@ -204,6 +204,54 @@ def test_dynamic_tree_is_eagle2s_tree_while_skipping_useless_rows(setup, budget,
     assert rows < full_rows if skips else rows <= full_rows
 
 
+def test_the_int8_screen_ranks_as_the_float32_head(setup):
+    """The screened LM head's best tokens are the float32 head's
+    (``log_softmax(lm_head(norm(x)))``, computed here from the head's own
+    modules), with log-probabilities within a few hundredths of a nat."""
+    from vllm_specplug.eagle3.screen import ScreenedLogits
+
+    head, ids, aux = setup
+    outs = []
+    for m in range(8, len(ids), 3):
+        outs += list(_ref_chain(head, ids, aux, m, 3)[1])
+    x = torch.stack(outs)
+    with torch.no_grad():
+        want_lp, want_ids = torch.log_softmax(head.lm_head(head.norm(x)), -1).topk(10, -1)
+    got_lp, got_ids = ScreenedLogits.build(head.lm_head, head.norm).top(x, 10)
+    assert len(x) > 60
+    assert torch.equal(got_ids, want_ids)
+    err = (got_lp - want_lp).abs()
+    assert float(err.max()) < 0.05 and float(err.mean()) < 0.01
+
+
+def test_a_screened_runtime_drafts_the_float32_heads_trees(setup):
+    """With the screen on, each node's score is its path's float32
+    log-probability (forced-path recompute) within the screen's error, and
+    the best path is the float32 runtime's."""
+    head, ids, aux = setup
+    for m in (30, len(ids)):
+        trees = []
+        for screen in (False, True):
+            rt = _runtime(head, screen_lm_head=screen)
+            assert (rt.screen is not None) == screen
+            rt.extend([("a", 0, ids[:m], aux[: m - 1])])
+            trees.append(rt.draft(["a"], [8], depth=4, topk=4)[0])
+        plain, screened = trees
+        assert screened.first_path().tokens == plain.first_path().tokens
+        for node in range(len(screened)):
+            path = _path_tokens(screened, node)
+            assert screened.scores[node] == pytest.approx(
+                _ref_score(head, ids, aux, m, path), abs=0.05)
+
+
+def test_no_screen_for_a_head_that_is_not_float32(setup):
+    from vllm_specplug.eagle3.screen import ScreenedLogits
+
+    head, _, _ = setup
+    lm_head = torch.nn.Linear(8, 16, bias=False).to(torch.bfloat16)
+    assert ScreenedLogits.build(lm_head, head.norm) is None
+
+
 def test_depth_hook_stops_expansion(setup):
     head, ids, aux = setup
     rt = _runtime(head)

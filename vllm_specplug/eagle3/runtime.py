@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_specplug.eagle3.model import Eagle3Draft
+from vllm_specplug.eagle3.screen import ScreenedLogits
 from vllm_specplug.sources.template import TreeTemplate
 from vllm_specplug.engine.stats import ema
 from vllm_specplug.engine.tree import DraftTree
@@ -168,11 +169,15 @@ class Eagle3Runtime:
 
     def __init__(self, head: Eagle3Draft, store_tokens: int = 1 << 16,
                  max_request_tokens: int | None = None,
-                 max_kv_bytes: int | None = None) -> None:
+                 max_kv_bytes: int | None = None, screen_lm_head: bool = False) -> None:
         """``max_request_tokens``: positions one request's state may hold;
         ``max_kv_bytes``: what all states together may take (None: no cap).
-        ``store_tokens``: positions the prefix store keeps."""
+        ``store_tokens``: positions the prefix store keeps.
+        ``screen_lm_head``: rank each level's tokens with the LM head's int8
+        screen (``eagle3/screen.py``; CPU float32 heads only)."""
         self.head = head.eval()
+        self.screen = (ScreenedLogits.build(head.lm_head, head.norm) if screen_lm_head
+                       else None)
         attn = head.midlayer.self_attn
         self.nkv, self.hd = attn.nkv, attn.hd
         self.scale = 1.0 / math.sqrt(attn.hd)
@@ -590,8 +595,11 @@ class Eagle3Runtime:
         of them form the next frontier: the best ``topk`` overall (EAGLE-2),
         or the template's nodes that have children."""
         bsz = front.out.shape[0]
-        logp = self._logp(front.out)  # [B, m, Vd]
-        vals, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [B, m, w]
+        if self.screen is not None:
+            vals, ids = self.screen.top(front.out, width)  # [B, m, w]
+        else:
+            logp = self._logp(front.out)  # [B, m, Vd]
+            vals, ids = logp.topk(min(width, logp.shape[-1]), dim=-1)
         cum = front.score[..., None] + vals
         if levels is None:
             par = front.cand[..., None].expand(-1, -1, vals.shape[-1]).reshape(bsz, -1)

@@ -72,6 +72,12 @@ class Eagle3DrafterConfig(MethodConfig):
     template: str = "default"
     """Static mode's shape: a preset of ``sources/template.py`` or nodes per
     level, e.g. ``"8,6,4,3,2"``; ranks below ``topk``."""
+    screen_lm_head: bool = True
+    """On a CPU, rank each drafting level's tokens with an int8 copy of the
+    head's LM head and recompute only each row's best 32 in float32
+    (``eagle3/screen.py``): a quarter of the LM head's weight bytes per
+    level, trees nearly the float32 head's. Drafts only: the output is the
+    same either way. False: the float32 LM head (EAGLE-2's trees exactly)."""
     max_held_rows: int | None = Field(default=None, ge=0)
     """Verified rows a request asked for no draft (the cost-aware gate
     closed) holds before feeding them to the head anyway, in one batched
@@ -177,7 +183,8 @@ class Eagle3Drafter(Proposer):
             head, config.prefix_store_tokens,
             max_request_tokens=config.max_request_kv_tokens,
             max_kv_bytes=None if config.max_total_kv_mib is None
-            else config.max_total_kv_mib * MIB)
+            else config.max_total_kv_mib * MIB,
+            screen_lm_head=config.screen_lm_head and ctx.device.type == "cpu")
         self.runtime.warm_up(config.depth, config.topk)
         self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
