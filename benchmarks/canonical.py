@@ -122,6 +122,15 @@ METHOD_RUNS = (
         "translation: 1.63, 2.17, 1.29 before; 2.16, 2.20, 2.73 after. The gate still "
         "closes for part of translation after probation (73 of 222 steps gated in one "
         "engine); earlier runs in which no engine locked reached tau 3.1-3.2 there."),
+    Run("head_drafting_cost_before_after.json", "The EAGLE-3 head's drafting cost: before "
+        "against after",
+        "`eagle3_tree` and `auto` as they were (labels `@old`, e752bab, run from a worktree "
+        "with `--code`) beside the head that expands only the frontier nodes that can still "
+        "enter a tree and ranks each level with an int8 screen of its LM head, QA and "
+        "translation, paired. A head draft took 18-34% less time (mean per drafting step, "
+        "from the method's stats); speculation speedups moved by +2-4%, inside a cell's "
+        "spread. One `auto` engine per arm gated part of QA (draft rate 33% after, 58% "
+        "before)."),
     Run("runner_split_before_after.json", "The runner in named parts: before against after",
         "`plain`, `pld` and `respec` from the last commit before the runner was split into "
         "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "
