@@ -46,13 +46,14 @@ class ScreenedLogits:
                  screen: int = SCREEN) -> None:
         """``weight``: the LM head's ``[vocab, hidden]``; ``norm_weight``,
         ``eps``: the RMS norm before it."""
-        folded = weight.detach().float() * norm_weight.detach().float()[None, :]
+        self.weight = weight.detach()  # the head's own: the exact rows, no copy
+        self.norm_weight = norm_weight.detach().float()
+        folded = self.weight.float() * self.norm_weight[None, :]
         linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear.weight = torch.nn.Parameter(folded, requires_grad=False)
         qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
         self.int8 = torch.ao.quantization.quantize_dynamic(
             torch.nn.Sequential(linear), {torch.nn.Linear: qconfig})[0]
-        self.weight = folded
         self.eps = eps
         self.screen = screen
 
@@ -91,7 +92,8 @@ class ScreenedLogits:
         keep = min(max(self.screen, 2 * k), approx.shape[-1])
         cand = approx.topk(keep, dim=-1, sorted=False).indices  # [n, s]
         # (a product and a sum, not bmm: several times faster at these shapes)
-        exact = (F.embedding(cand, self.weight) * rows[:, None, :]).sum(-1)
+        normed = rows * self.norm_weight
+        exact = (F.embedding(cand, self.weight) * normed[:, None, :]).sum(-1)
         approx.scatter_(-1, cand, exact)
         # log_softmax's first column gives the normaliser faster than logsumexp
         lse = approx[:, :1] - torch.log_softmax(approx, dim=-1)[:, :1]
