@@ -101,19 +101,20 @@ METHOD_RUNS = (
     Run("all_methods_b1_humaneval_odd.json",
         "Every method, batch 1, under the protocol: HumanEval's odd half",
         "The fifth of the seven one-suite batch-1 runs, measured like the math run above."),
-    Run("auto_cover_before_after.json", "`auto` asking its head by the cheap sources' cover: "
-        "before against after",
-        "`auto` as it was (label `auto`, 8f786d5) beside `auto` that asks the EAGLE-3 head per "
+    Run("all_methods_b1_specbench_summarization.json",
+        "Every method, batch 1, under the protocol: summarization",
+        "The sixth of the seven one-suite batch-1 runs, measured like the math run above, "
+        "with the EAGLE-3 head expanding only the frontier nodes that can still enter a "
+        "tree and ranking each level with an int8 screen of its LM head."),
+    Run("auto_cover_before_after_2.json", "`auto` asking its head by the cheap sources' "
+        "cover: before against after",
+        "`auto` as it was (label `auto@old`, 76183ef) beside `auto` that asks the EAGLE-3 head per "
         "cover level of the copy and suffix sources (`auto@cover`, run from a worktree with "
-        "`--code`), translation and QA, three fresh engines each. Two of the three "
-        "`auto@cover` engines closed their draft gate on translation early and kept it "
-        "closed (tau 2.21 and 1.36 against 3.16); the gate's lock-out is not specific to "
-        "this change (one of three `auto` engines on MT-bench locked the same way)."),
-    Run("auto_cover_before_after_2.json", "`auto` asking its head by cover: before against "
-        "after, second run",
-        "The same comparison run again, `@old` at 76183ef: each arm's budget also wrote one "
-        "line per gate verdict to a file (the same work in both arms, removed after). No "
-        "engine locked: `auto@cover` 1.92x against 1.76x on translation, 1.48x against 1.40x "
+        "`--code`), translation and QA, three fresh engines each; each arm's budget also "
+        "wrote one line per gate verdict to a file (the same work in both arms, removed "
+        "after). An earlier run of the same comparison had two of three `auto@cover` engines "
+        "close their draft gate on translation early and keep it closed. No engine locked "
+        "here: `auto@cover` 1.92x against 1.76x on translation, 1.48x against 1.40x "
         "on QA."),
     Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
         "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
