@@ -112,7 +112,7 @@ def test_the_prefix_store_holds_at_most_its_positions(head):
 
 
 # ------------------------------------------------------------ held rows
-def _proposer(**cfg):
+def _proposer(prepare_linears=None, **cfg):
     from vllm_specplug.eagle3 import shipped_head_path
     from vllm_specplug.methods.eagle3_tree import Eagle3TreeConfig, Eagle3TreeProposer
 
@@ -120,7 +120,8 @@ def _proposer(**cfg):
     ctx = ProposerContext(vocab_size=49152, hidden_size=576, num_speculative_tokens=8,
                           max_model_len=1024, device=torch.device("cpu"),
                           dtype=torch.float32, model_path="", tokenizer_path="",
-                          embed_tokens=torch.randn(49152, 576, generator=g) * 0.05)
+                          embed_tokens=torch.randn(49152, 576, generator=g) * 0.05,
+                          prepare_linears=prepare_linears)
     return Eagle3TreeProposer(Eagle3TreeConfig(head=shipped_head_path(), depth=3, topk=2,
                                                **cfg), ctx)
 
@@ -157,3 +158,21 @@ def test_memory_gauges_report_the_structures():
     s = prop.report(prop.stats())
     assert s["held_bytes"] == 200 * HELD_ROW and s["held_fed_at_cap"] == 0
     assert s["head_kv_bytes"] == 256 * ROW and s["kv_capped"] == 0
+
+
+@pytest.mark.parametrize("screen", [True, False])
+def test_a_screened_lm_head_gets_no_packed_copy(screen):
+    # the engine's GEMM kernels keep a packed copy of each weight they take;
+    # a screened LM head is read by rows only, so its copy would be waste
+    packed: list[torch.nn.Linear] = []
+
+    def prepare(module: torch.nn.Module) -> int:
+        packed.extend(m for m in module.modules() if isinstance(m, torch.nn.Linear))
+        return 0
+
+    prop = _proposer(prepare, screen_lm_head=screen)
+    head = prop.runtime.head
+    assert (prop.runtime.screen is not None) == screen
+    every = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    assert sorted(map(id, packed)) == sorted(
+        id(m) for m in every if not (screen and m is head.lm_head))

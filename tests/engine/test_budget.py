@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 import pytest
 
-from vllm_specplug.engine.budget.controller import PLAIN_TRIES
+from vllm_specplug.engine.budget.controller import GATE_LOG, GATE_LOG_FIELDS, PLAIN_TRIES
 from vllm_specplug.engine.budget import (
     AcceptanceModel,
     BudgetController,
@@ -776,3 +776,41 @@ def test_no_gate_verdict_before_a_plain_step_was_measured():
     measure(cost, 9, 0.050)
     assert cost.as_dict() == {"10": 50.0}
     assert cost.measured_up_to(9) and cost.measured_up_to(12) and not cost.measured_up_to(7)
+
+
+def test_gate_log_keeps_the_verdicts_that_closed_or_met_a_closed_gate():
+    # Flat 100 ms steps, 5 ms of drafting. A node worth 0.2 tokens (20 ms)
+    # opens the cold gate at once (+15 ms); worth 0.01 tokens (1 ms) each
+    # step loses 4 ms, and the average (15 ms, then 0.8 of the way to -4 ms
+    # per step) turns negative at the seventh such step: one closing, two
+    # verdicts logged (the open gate's six in between are not)
+    ctl = _cold_controller(0.2, DraftGate(probation=0))
+    assert ctl.draft_now()
+    _draft_step(ctl, 0.005)
+    assert ctl.gate.open
+    ctl.acceptance.engine.acc[0, 0] = 0.01e6
+    steps = 0
+    while ctl.gate.open:
+        assert ctl.draft_now()
+        _draft_step(ctl, 0.005)
+        steps += 1
+    assert steps == 7 and ctl.stats.gate_closings == 1
+    log = ctl.as_dict()["gate_log"]
+    assert len(log) == 2
+    first = dict(zip(GATE_LOG_FIELDS, log[0]))
+    assert first == pytest.approx(dict(
+        verdict=1, exploring=1, rows=1, kept=1, gain_ms=20.0, tree_ms=0.0, draft_ms=5.0,
+        surplus_ms=15.0, average_ms=15.0, open_after=1, skip_after=0))
+    last = dict(zip(GATE_LOG_FIELDS, log[1]))
+    assert last == pytest.approx(dict(
+        verdict=8, exploring=0, rows=1, kept=1, gain_ms=1.0, tree_ms=0.0, draft_ms=5.0,
+        surplus_ms=-4.0, average_ms=-4.0 + 19.0 * 0.8 ** 7, open_after=0, skip_after=2),
+        abs=1e-3)
+    # a closed gate's verdicts are all kept, up to the last GATE_LOG
+    while ctl.gate.verdicts < 8 + GATE_LOG + 2:
+        if ctl.draft_now():
+            _draft_step(ctl, 0.005)
+        else:
+            ctl.observe_propose(0.0, drafted=False)
+    assert len(ctl.as_dict()["gate_log"]) == GATE_LOG
+    assert ctl.as_dict()["gate_log"][-1][0] == ctl.gate.verdicts

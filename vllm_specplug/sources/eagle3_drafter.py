@@ -177,14 +177,18 @@ class Eagle3Drafter(Proposer):
         self.head_dir = head_dir
         self.aux_layers = tuple(hc["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         head = head.to(ctx.device)
-        if ctx.prepare_linears is not None:
-            ctx.prepare_linears(head)  # the engine's GEMM kernels: 3-4x on CPU
         self.runtime = Eagle3Runtime(
             head, config.prefix_store_tokens,
             max_request_tokens=config.max_request_kv_tokens,
             max_kv_bytes=None if config.max_total_kv_mib is None
             else config.max_total_kv_mib * MIB,
             screen_lm_head=config.screen_lm_head and ctx.device.type == "cpu")
+        if ctx.prepare_linears is not None:  # the engine's GEMM kernels: 3-4x on CPU
+            for part in head.children():
+                # a screened LM head is read by rows only: a packed copy of it
+                # would cost its weight's size again and never run
+                if not (part is head.lm_head and self.runtime.screen is not None):
+                    ctx.prepare_linears(part)
         self.runtime.warm_up(config.depth, config.topk)
         self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()

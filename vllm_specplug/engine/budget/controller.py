@@ -21,6 +21,7 @@ whether the cut paid for the drafting.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,10 @@ def _candidates(trees, probs) -> list[tuple[float, int, int, int]]:
     return cand
 
 
+def _ms(seconds: float) -> float:
+    return round(1e3 * seconds, 3)
+
+
 PLAIN_TRIES = 4
 """Steps a knot's plain decoding may go unmeasured before the gate is
 judged on the curve as it is (a knot joins the curve on its second step)."""
@@ -96,7 +101,23 @@ class BudgetStats:
     explore_steps: int = 0
     """Steps a closed gate let one request draft, to see whether drafting
     pays again."""
+    gate_closings: int = 0
+    """Verdicts that closed an open gate (after probation's)."""
     size_hist: dict[int, int] = field(default_factory=dict)
+
+
+GATE_LOG = 8
+"""Verdicts ``BudgetController.gate_log`` keeps."""
+
+GATE_LOG_FIELDS = ("verdict", "exploring", "rows", "kept", "gain_ms", "tree_ms",
+                   "draft_ms", "surplus_ms", "average_ms", "open_after", "skip_after")
+"""What each ``gate_log`` entry holds, in order: the verdict's number since
+start-up; whether it judged an exploring step; decoding rows and kept
+nodes; what the kept nodes' expected tokens save (plain decoding's time for
+them), what their rows add to a plain step and what the drafting costs (the
+gate's estimate), in ms; the step's surplus (gain - rows - drafting) and
+the gate's moving average of it after this verdict, in ms; the gate's state
+after (open, steps it skips before exploring again)."""
 
 
 class BudgetController:
@@ -132,6 +153,12 @@ class BudgetController:
         self._plain_tries: dict[int, int] = {}
         """Steps left without a gate verdict, per knot
         (``_plain_unmeasured``)."""
+        self.gate_log: deque[list] = deque(maxlen=GATE_LOG)
+        """The last verdicts that found the gate closed or closed it
+        (``GATE_LOG_FIELDS``), with what they weighed: an engine whose gate
+        stays shut on a workload where drafting pays shows whether the
+        expected gain fell or the drafting's estimated cost rose. An open
+        gate's verdicts that keep it open are not kept."""
 
     # -------------------------------------------------------------- learning
     def learn(self, req_id: str, token_ids, accepted: int | None = None) -> None:
@@ -302,10 +329,21 @@ class BudgetController:
         is not empty and its rate with the drafting beats plain decoding's)."""
         best_gain = rows + cal * sum(-c[0] for c in kept)
         drafted = sum(1 for t in trees if t is not None and len(t))
-        surplus = (best_gain / plain - self.cost(rows + len(kept))
-                   - self.gate.draft_cost(drafted))
+        gain, tree_step = best_gain / plain, self.cost(rows + len(kept))
+        drafting = self.gate.draft_cost(drafted)
+        surplus = gain - tree_step - drafting
+        was_open, exploring = self.gate.open, self.gate.exploring
         self.gate.judge(step_seconds=self.cost(rows), whole_batch=drafted >= rows,
                         surplus=surplus)
+        if was_open and self.gate.open:
+            return
+        if was_open and not self.gate.on_probation:
+            self.stats.gate_closings += 1
+        plain_step = self.cost(rows)
+        self.gate_log.append([
+            self.gate.verdicts, int(exploring), rows, len(kept), _ms(gain - plain_step),
+            _ms(tree_step - plain_step), _ms(drafting), _ms(surplus), _ms(self.gate.surplus),
+            int(self.gate.open), self.gate.skip_left])
 
     def _cut(self, req_ids, trees, probs, keep, cal: float, best_rate: float,
              plain: float) -> tuple[list[DraftTree | None], Choice]:
@@ -347,6 +385,7 @@ class BudgetController:
         d["side_ms"] = round(1e3 * (self.gate.side_seconds or 0.0), 3)
         d["gate_proven"] = self.gate.proven  # drafting has paid at least once
         d["gate_verdicts"] = self.gate.verdicts
+        d["gate_log"] = [list(e) for e in self.gate_log]
         d["calibration"] = round(self.calibration, 3)
         d["acceptance_by_depth_rank"] = np.round(self.acceptance.rates(None), 3).tolist()
         # per source: the first level's best-ranked estimate and its evidence

@@ -260,6 +260,11 @@ class DraftGate:
         return self.verdicts <= self.probation
 
     @property
+    def skip_left(self) -> int:
+        """Steps a closed gate will skip before it explores again."""
+        return 0 if self.open else max(0, self._skip)
+
+    @property
     def side_work(self) -> bool:
         """Do drafting-only side work this step? Only with the gate open,
         outside an exploring step (one decoding request drafts there), and
