@@ -106,16 +106,12 @@ METHOD_RUNS = (
         "The sixth of the seven one-suite batch-1 runs, measured like the math run above, "
         "with the EAGLE-3 head expanding only the frontier nodes that can still enter a "
         "tree and ranking each level with an int8 screen of its LM head."),
-    Run("auto_cover_before_after_2.json", "`auto` asking its head by the cheap sources' "
-        "cover: before against after",
-        "`auto` as it was (label `auto@old`, 76183ef) beside `auto` that asks the EAGLE-3 head per "
-        "cover level of the copy and suffix sources (`auto@cover`, run from a worktree with "
-        "`--code`), translation and QA, three fresh engines each; each arm's budget also "
-        "wrote one line per gate verdict to a file (the same work in both arms, removed "
-        "after). An earlier run of the same comparison had two of three `auto@cover` engines "
-        "close their draft gate on translation early and keep it closed. No engine locked "
-        "here: `auto@cover` 1.92x against 1.76x on translation, 1.48x against 1.40x "
-        "on QA."),
+    Run("auto_mixed_traffic_b1.json", "Mixed traffic at batch 1: `auto` against the leading "
+        "single methods",
+        "All seven suites interleaved prompt by prompt (QA, translation, summarization, RAG, "
+        "MT-bench, math, HumanEval's odd half; 8 prompts, so one or two of each), measured "
+        "like the one-suite runs above, with the methods that lead a suite there. `auto`'s "
+        "third engine drafted less (tau 1.41 against 1.92 and 1.94 in the first two)."),
     Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
         "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
         "beside `auto` whose cold gate explores every step for its first 16 verdicts instead "

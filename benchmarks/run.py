@@ -725,6 +725,8 @@ def build_record(method: dict, suite: str, batch: int, result: dict, entry: dict
         if entry.get("counters_per_pass"):
             rec["tau_repeats"] = [report.tau(p["generated_tokens"], p["accepted_tokens"])
                                   for p in entry["counters_per_pass"]]
+        if entry.get("gate_per_pass"):
+            rec["gate_repeats"] = entry["gate_per_pass"]
     stats = entry.get("specplug_stats")
     if method["kind"] == "specplug" and stats is not None:
         secs = (stats.get("propose_seconds") or 0.0) + (stats.get("collect_seconds") or 0.0)
@@ -1115,6 +1117,8 @@ def merge_passes(results: list[dict]) -> dict:
             entry["counters_per_pass"] = [{**e["counters"], "generated_tokens":
                                            e["generated_tokens"]} for e in entries]
             entry["counters"] = mean_counters([e["counters"] for e in entries])
+        if all(e.get("specplug_stats") for e in entries):
+            entry["gate_per_pass"] = [gate_summary(e["specplug_stats"]) for e in entries]
         entry["wall_seconds"] = statistics.median(entry["wall_seconds_repeats"])
         bases = [e.get("paired_baseline") for e in entries]
         if all(bases):
@@ -1124,6 +1128,17 @@ def merge_passes(results: list[dict]) -> dict:
                 "wall_seconds_repeats": [w[min(k, len(w) - 1)] for k, w in enumerate(walls)]}
         merged["suites"].append(entry)
     return merged
+
+
+GATE_KEYS = ("steps", "gated_steps", "explore_steps", "gate_closings", "gate_log")
+
+
+def gate_summary(stats: dict) -> dict:
+    """One pass's draft gate from its ``specplug_stats``: the record keeps
+    the first pass's stats whole, and a gate that stayed shut in a later
+    pass would leave no trace there."""
+    budget = stats.get("budget") or {}
+    return {k: budget[k] for k in GATE_KEYS if k in budget}
 
 
 def mean_counters(per_pass: list[dict]) -> dict:

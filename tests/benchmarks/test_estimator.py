@@ -143,3 +143,21 @@ def test_fresh_engine_passes_give_tau_from_every_pass():
     assert (rec["drafts"], rec["draft_tokens"], rec["accepted_tokens"]) == (42, 83, 50)
     assert rec["mean_accepted_length"] == pytest.approx(1 + 50 / (125 / 3))
     assert rec["acceptance_per_position"] == pytest.approx([50 / (125 / 3), 0.0])
+
+
+def test_fresh_engine_passes_keep_every_pass_gate():
+    # the record's specplug_stats is pass 1's; a gate that stayed shut in
+    # pass 3 shows in gate_repeats
+    def one(gated, log):
+        entry = _entry([1.0])
+        entry["specplug_stats"] = {"drafts": 5, "budget": {
+            "steps": 100, "gated_steps": gated, "explore_steps": 1, "gate_closings": len(log),
+            "gate_log": log, "draft_ms": 4.0}}
+        return {"status": "ok", "reason": None, "suites": [entry]}
+
+    shut = [[20, 0, 1, 2, 1.0, 2.0, 5.0, -6.0, -1.0, 0, 2]]
+    merged = run.merge_passes([one(0, []), one(2, []), one(80, shut)])
+    rec = _record("suffix", merged["suites"][0], BASE, merged)
+    assert [g["gated_steps"] for g in rec["gate_repeats"]] == [0, 2, 80]
+    assert rec["gate_repeats"][2] == {"steps": 100, "gated_steps": 80, "explore_steps": 1,
+                                      "gate_closings": 1, "gate_log": shut}
