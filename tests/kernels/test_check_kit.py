@@ -51,7 +51,7 @@ def _run_kit(tmp_path, blocked, *args):
 
 def test_kit_runs_without_vllm(tmp_path):
     pytest.importorskip("triton", reason="the kit's kernel checks need Triton")
-    proc, report = _run_kit(tmp_path, ["vllm"])
+    proc, report = _run_kit(tmp_path, ["vllm"], "--jobs", "2")  # worker processes too
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["environment"]["vllm_importable"] is False
     assert report["environment"]["interpret"] is True
@@ -89,6 +89,29 @@ def test_kit_catches_a_wrong_kernel(monkeypatch):
                 dtypes=("float32",), layouts=("NHD",), nodes=(3,), contexts=(5,))
     results = check.check_tree_attention(grid, "cpu")
     assert len(results) == 2 and not any(r["ok"] for r in results)  # one pass, split KV
+
+
+def test_a_section_that_raises_is_a_miss_and_leaves_the_report():
+    from vllm_specplug.kernels.check import guarded, misses
+
+    report = {"checks": [{"kernel": "kv_move", "ok": True}], "timing": {}}
+    guarded(report["timing"], "kv_move", lambda: 1 / 0)
+    guarded(report, "warm_up", lambda: {"kernel": "warm_up_covers_serving", "ok": False})
+    assert report["timing"]["kv_move"] == {"error": "ZeroDivisionError: division by zero"}
+    assert len(misses(report)) == 2
+
+
+def test_the_grid_draws_the_same_cases_however_it_is_shared():
+    """A case is seeded by its place in the grid, not by the cases a worker
+    ran before it: one worker and two give the same batches."""
+    pytest.importorskip("triton")
+    from vllm_specplug.kernels import check
+
+    grid = dict(check.QUICK_GRID, head_dims=(16,), gqa=(2,), block_sizes=(16,),
+                dtypes=("float32",), nodes=(3, 4), contexts=(5,))
+    combos = check.attention_combos(grid)
+    alone = check.check_attention_case(grid, 1, combos[1], "cpu")
+    assert check.check_tree_attention(grid, "cpu")[2:4] == alone
 
 
 @pytest.mark.parametrize("dtype,error,ok", [

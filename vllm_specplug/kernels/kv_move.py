@@ -64,7 +64,9 @@ def _slot_row(slot, BLOCK_SIZE, stride_b, stride_t):
     return (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_t
 
 
-@triton.jit
+# ``n`` (slots moved) changes every step: not specialized on, so no step
+# compiles a new variant after the warm-up.
+@triton.jit(do_not_specialize=["n"])
 def _kv_gather_kernel(
     table_ptr, scratch_ptr, src_ptr, dst_ptr,
     n, BLOCK_SIZE, num_feat,
@@ -90,7 +92,7 @@ def _kv_gather_kernel(
     tl.store(scratch_ptr + (c * n + i) * num_feat + offs_f, vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _kv_scatter_kernel(
     table_ptr, scratch_ptr, src_ptr, dst_ptr,
     n, BLOCK_SIZE, num_feat,

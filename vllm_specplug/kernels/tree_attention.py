@@ -183,7 +183,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Counts that change every step are not specialized on (Triton otherwise
+# compiles a variant per "equals 1" and "divisible by 16"): a step with a new
+# count would stall for a compile mid-serving, after the warm-up.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_segments"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     block_table_ptr, seq_lens_ptr, qsl_ptr, tree_mask_ptr, is_tree_ptr,
@@ -305,7 +308,7 @@ def _tree_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_segments"])
 def _merge_segments_kernel(
     part_ptr, ml_ptr, o_ptr, qsl_ptr,
     num_seqs, num_tokens, num_segments,

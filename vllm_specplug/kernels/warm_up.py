@@ -1,15 +1,18 @@
 """Compile the GPU tree kernels at start-up, not at the first tree request.
 
 Triton compiles a kernel at its first launch for each specialization of its
-arguments: the constexprs (head size, GQA group, dtype precision, mask flags)
-and, per integer argument, whether it equals 1 (``num_seqs``, the number of
-moved slots). A first compilation takes seconds, so a request that brought
-the first tree (or the first two-request batch) would stall for it, outside
-vLLM's warm-up. This launches both kernels on the engine's own cache, with
-the shapes and strides of the runner's real calls, for one and for two
-sequences, with and without split KV, and the KV move. Nothing
-is written: tree attention reads only, and a KV move whose source is its
-destination skips the copy.
+arguments: the constexprs (head size, GQA group, dtype precision, split KV or
+not) and, per integer argument not excluded, whether it equals 1 or is
+divisible by 16. The counts that change every step (sequences, tokens, moved
+slots) are excluded (``do_not_specialize``), so the variants a server needs
+are fixed by the model and the cache. A first compilation takes seconds, so
+a request that brought the first tree would stall for it, outside vLLM's
+warm-up. This launches both kernels on the engine's own cache, with the
+shapes and strides of the runner's real calls, with and without split KV,
+and the KV move (``python -m vllm_specplug.kernels.check`` counts, on a GPU,
+that serving-shaped steps after it compile nothing new). Nothing is written:
+tree attention reads only, and a KV move whose source is its destination
+skips the copy.
 """
 
 from __future__ import annotations
