@@ -418,6 +418,7 @@ def check_warm_up(device, steps: int = 40) -> dict:
         table = torch.zeros(len(specs), width, dtype=torch.int32, device=device)
         table[:, :batch["block_table"].shape[1]] = batch["block_table"]
         batch.update(k_cache=k_cache, v_cache=v_cache, block_table=table)
+        del batch["is_tree"]  # the runner's tree rows are all tree rows
         src, dst = move_slots(width * 8 * bs, 1 + rng.randrange(24), rng)
         t = time.time()
         tree_attention_triton_split(batch, max(c for c, *_ in specs))
