@@ -100,3 +100,31 @@ def test_expected_tokens_of_the_cheap_sources():
     assert abs(mix.expected("r", drafts, 3) - 1.9) < 1e-9  # 0.8 + 0.6 + 0.5
     assert mix.expected("r", [], 8) == 0.0
     assert mix.merge("r", drafts, 8, 10) is not None  # expected() left nothing to judge before
+
+
+def test_rows_to_feed_count_in_the_cost_of_asking():
+    """4 ms of head a step, 0.2 ms a row fed, spread over 16 steps; the
+    head adds one accepted token a step, worth 10 ms. Nothing to feed:
+    10 ms >= 4 ms, it asks. An 800-row prompt to feed first: 4 + 160 / 16 =
+    14 ms > 10 ms, it does not, and explores only once the steps not asked
+    saved the feed (160 ms = 40 steps of 4 ms), not every 4th step."""
+    use = _HeadUse(explore_every=4, weight=4.0, decay=1.0, feed_steps=16)
+    use.cost(0.004, 1)
+    use.feed(0.002, 10)  # 0.2 ms a row
+    for _ in range(40):
+        use.observe("r", 1)
+    assert use.asks(_req(0.010), pending=0)
+    asked = [use.asks(_req(0.010), pending=800) for _ in range(40)]
+    assert asked == [False] * 39 + [True]
+    # a short prompt costs little: 4 + 40 x 0.2 / 16 = 4.5 ms < 10 ms
+    assert use.asks(_req(0.010, "short"), pending=40)
+
+
+def test_feeding_is_timed_per_row_like_the_head_calls():
+    use = _HeadUse(explore_every=4)
+    use.feed(0.0, 0)  # nothing fed: nothing learned
+    assert use.row_seconds is None
+    use.feed(0.010, 50)
+    assert abs(use.row_seconds - 0.0002) < 1e-12
+    use.feed(1.0, 10)  # a stall counts at most twice the estimate, a tenth of the way
+    assert abs(use.row_seconds - 0.0002 * 1.1) < 1e-12

@@ -29,8 +29,11 @@ time per request, shrunk toward all requests' at that level while a
 request has little evidence; a request that stops asking at a level tries
 again every ``head_explore_every`` steps there. Beside a long confident
 copy the head adds little; where nothing else drafts it adds most. A
-request that does not ask holds its verified rows, fed to the head in one
-batched pass when it next asks.
+request that does not ask holds its verified rows, its prompt too until it
+first asks, fed to the head in one batched pass when it next asks; what a
+request must feed counts in the cost of asking, spread over
+``head_feed_steps`` steps, so a long prompt whose head drafts would not
+pay for its feed is never fed.
 """
 
 from __future__ import annotations
@@ -72,6 +75,13 @@ class AutoConfig(Eagle3DrafterConfig):
     head_explore_every: int = Field(default=8, ge=1)
     """A request that stopped asking the head (it did not pay) asks again
     after this many steps, to see whether it pays now."""
+    head_feed_steps: int = Field(default=16, ge=0)
+    """The rows a request must feed the head before it drafts (its prompt
+    at first, the rows of the steps it did not ask after) count in the
+    cost of asking, spread over this many steps (the state they build
+    serves later steps too). A request holds its prompt until it first
+    asks, so one whose prompt costs more than the head adds never feeds
+    it. 0: feeding is not counted and prompts are fed as they come."""
     prompt_lookup_max: int = Field(default=4, ge=1, le=64)
     """Longest context suffix (tokens) the copy source matches."""
     copy_branches: int = Field(default=2, ge=1, le=16)
@@ -114,7 +124,8 @@ class AutoProposer(Proposer):
                            "is not installed)")
         self.copy = CopyConfidence()
         self.mix = SourceMix()
-        self.head_use = _HeadUse(config.head_explore_every)
+        self.head_use = _HeadUse(config.head_explore_every,
+                                 feed_steps=config.head_feed_steps)
         self._counts: dict[str, int] = {}
         self._asked_head: dict[str, int] = {}  # request -> its cover, where the head drafted
 
@@ -186,20 +197,30 @@ class AutoProposer(Proposer):
         if self.head is None:
             return [None] * len(batch)
         always = self.config.use_head == "always"
+        counted = self.config.head_feed_steps > 0
         # a request that drafts nothing this step needs no cover level
         covers = [cover_of(self.mix.expected(r.req_id, found, r.budget))
                   if r.sampled and r.budget > 0 else 0 for r, found in zip(batch, lookups)]
-        asks = [r.sampled and r.budget > 0 and (always or self.head_use.asks(r, c))
-                for r, c in zip(batch, covers)]
-        # a request that does not ask holds its rows (budget 0) until it does
-        fed = [r if ask or not r.sampled else dataclasses.replace(r, budget=0)
-               for r, ask in zip(batch, asks)]
+        # rows the head must take in before it drafts for the request
+        pending = [self.head.catch_up_rows(r.req_id, _rows(r)) if counted else 0 for r in batch]
+        asks = [r.sampled and r.budget > 0 and (always or self.head_use.asks(r, c, p))
+                for r, c, p in zip(batch, covers, pending)]
+        # a request that does not ask holds its rows (budget 0; a prompt
+        # chunk: not drafting) and feeds them in one pass when it next asks
+        fed = [r if ask or (not r.sampled and not counted) else
+               dataclasses.replace(r, budget=0) if r.sampled else
+               dataclasses.replace(r, drafting=False) for r, ask in zip(batch, asks)]
+        rows_before = self.head.runtime.stats.extended_rows
         t0 = time.perf_counter()
         self.head.extend(fed)
+        t1 = time.perf_counter()
         trees = self.head.draft(fed, [r.budget if a else 0 for r, a in zip(fed, asks)])
-        # feeding the rows is part of what asking costs: a request that does
-        # not ask holds them, and they go in one pass when it next asks
-        self.head_use.cost(time.perf_counter() - t0, sum(asks))
+        t2 = time.perf_counter()
+        if counted:
+            self.head_use.feed(t1 - t0, self.head.runtime.stats.extended_rows - rows_before)
+            self.head_use.cost(t2 - t1, sum(asks))
+        else:
+            self.head_use.cost(t2 - t0, sum(asks))
         self._asked_head = {r.req_id: c for r, a, c in zip(batch, asks, covers) if a}
         for c in range(len(COVER_LEVELS) + 1):
             self._count(f"head_asked_cover{c}", sum(a and k == c for a, k in zip(asks, covers)))
@@ -277,6 +298,11 @@ def _open_head(config: AutoConfig, ctx: ProposerContext) -> Eagle3Drafter | None
     return Eagle3Drafter(config, ctx)
 
 
+def _rows(r: StepRequest) -> int:
+    """Target rows this step brings for the head (its verified tokens')."""
+    return 0 if r.aux_hidden is None else int(r.aux_hidden.shape[0])
+
+
 def _probabilities(tree: DraftTree) -> DraftTree:
     """A head tree with its cumulative log-probabilities as probabilities."""
     scores = None if tree.scores is None else [float(np.exp(s)) for s in tree.scores]
@@ -308,8 +334,11 @@ class _HeadUse:
     accepted token saves, exceed what the head costs a request (see the
     module docstring)."""
 
-    def __init__(self, explore_every: int, weight: float = 4.0, decay: float = 0.9) -> None:
+    def __init__(self, explore_every: int, weight: float = 4.0, decay: float = 0.9,
+                 feed_steps: int = 16) -> None:
         self.explore_every = explore_every
+        self.feed_steps = feed_steps
+        """Steps a feed's cost is spread over (``head_feed_steps``)."""
         self.weight = weight
         """Head steps after which a request's own record weighs as much as
         all requests'."""
@@ -321,6 +350,8 @@ class _HeadUse:
         """Per request, per cover level: accepted, head steps, steps since asked."""
         self.seconds: float | None = None
         """The head's seconds per request asking (see ``cost``)."""
+        self.row_seconds: float | None = None
+        """The head's seconds per row fed (see ``feed``)."""
 
     def remove_request(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -350,18 +381,26 @@ class _HeadUse:
         if asked:
             self.seconds = cost_ema(self.seconds, seconds / asked, 0.1, COST_RISE)
 
-    def asks(self, r: StepRequest, cover: int = 0) -> bool:
+    def feed(self, seconds: float, rows: int) -> None:
+        """A call's time feeding ``rows`` rows to the head (as ``cost``)."""
+        if rows:
+            self.row_seconds = cost_ema(self.row_seconds, seconds / rows, 0.1, COST_RISE)
+
+    def asks(self, r: StepRequest, cover: int = 0, pending: int = 0) -> bool:
+        """``pending``: rows the request must feed the head before it drafts."""
         mine = self._mine(r.req_id, cover)
         if r.token_seconds <= 0 or self.seconds is None:
             return True  # nothing measured yet: the head's value is unknown
+        feed = (self.row_seconds or 0.0) * pending
         gain = self.gain[cover]
         prior = (gain[0] + 0.5) / (gain[1] + 1.0)
         per_step = (mine[0] + prior * self.weight) / (mine[1] + self.weight)
-        if per_step * r.token_seconds >= self.seconds:
+        if per_step * r.token_seconds >= self.seconds + feed / max(self.feed_steps, 1):
             mine[2] = 0
             return True
         mine[2] += 1
-        if mine[2] >= self.explore_every:
+        # exploring spends at most what the steps not asked saved
+        if mine[2] >= self.explore_every and feed <= self.seconds * mine[2]:
             mine[2] = 0
             return True
         return False
