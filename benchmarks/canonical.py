@@ -37,12 +37,33 @@ class Run:
 # run, or several whole runs over disjoint suites where one run would not fit
 # a machine's time window (docs/benchmarks.md, "Protocol").
 ALL_METHODS: dict[int, tuple[Run, ...]] = {
-    1: (Run("all_methods_b1.json", "Every method, batch 1",
-           "Every specplug method beside vLLM's built-ins (`ngram`, `suffix`, `eagle3`) "
-           "and plain decoding, Spec-Bench's seven categories and HumanEval's odd half.",
-           reruns=(("all_methods_b1_repeats.json",
-                    "The run's two lowest specplug cells (one timed call each) "
-                    "re-measured with 3 repeats."),)),),
+    1: (Run("all_methods_b1_specbench_qa.json", "Every method, batch 1: QA",
+            "Every specplug method beside vLLM's built-ins (`ngram`, `suffix`, `eagle3`), "
+            "plain decoding and `plain` (the plugin's engine drafting nothing), one run per "
+            "suite (docs/benchmarks.md, \"Protocol\"): three passes per cell, `auto` "
+            "included, the engines warmed up one at a time, the gate's drafting cost "
+            "trusting a cheaper step at once and no gate verdict before a plain step was "
+            "measured."),
+        Run("all_methods_b1_specbench_translation.json", "Every method, batch 1: translation",
+            "Measured like the QA run above."),
+        Run("all_methods_b1_specbench_mt_bench.json", "Every method, batch 1: MT-bench",
+            "Measured like the QA run above. MT-bench is held out: nothing was tuned on it."),
+        Run("all_methods_b1_specbench_math_reasoning.json",
+            "Every method, batch 1: math reasoning",
+            "Measured like the QA run above, with `auto` asking its head per cover level and "
+            "a cold gate's first 16 verdicts on probation. Math reasoning is held out: "
+            "nothing was tuned on it."),
+        Run("all_methods_b1_humaneval_odd.json", "Every method, batch 1: HumanEval's odd half",
+            "Measured like the math run above."),
+        Run("all_methods_b1_specbench_summarization.json",
+            "Every method, batch 1: summarization",
+            "Measured like the math run above, with the EAGLE-3 head expanding only the "
+            "frontier nodes that can still enter a tree and ranking each level with an int8 "
+            "screen of its LM head."),
+        Run("all_methods_b1_specbench_rag.json", "Every method, batch 1: RAG",
+            "Measured like the summarization run above; each fresh engine's draft gate is "
+            "recorded (`gate_repeats`)."),
+        ),
     8: (Run("all_methods_b8.json", "Every method, batch 8",
            "The same methods and suites with 8 requests in flight.",
            reruns=(("all_methods_b8_recycle.json",
@@ -80,37 +101,11 @@ METHOD_RUNS = (
     Run("respec_relaxed.json", "`respec` relaxed verification (lossy by design)",
         "A grid of relaxed margins (`respec@tT-mM`: `relaxed_tau_nats` T, `relaxed_m` M); "
         "the identical column is the share of outputs that still match plain decoding."),
-    Run("all_methods_b1_specbench_qa.json", "Every method, batch 1, under the protocol: QA",
-        "One of the seven one-suite batch-1 runs (docs/benchmarks.md): `plain` beside every "
-        "specplug method, three passes per cell, `auto` included, the engines warmed up one "
-        "at a time, the gate's drafting cost trusting a cheaper step at once and no gate "
-        "verdict before a plain step was measured. With the other six it replaces the "
-        "headline batch-1 run above."),
-    Run("all_methods_b1_specbench_translation.json",
-        "Every method, batch 1, under the protocol: translation",
-        "The second of the seven one-suite batch-1 runs, measured like the QA run above."),
-    Run("all_methods_b1_specbench_mt_bench.json",
-        "Every method, batch 1, under the protocol: MT-bench",
-        "The third of the seven one-suite batch-1 runs, measured like the QA run above. "
-        "MT-bench is held out: nothing was tuned on it."),
-    Run("all_methods_b1_specbench_math_reasoning.json",
-        "Every method, batch 1, under the protocol: math reasoning",
-        "The fourth of the seven one-suite batch-1 runs, measured like the QA run above, "
-        "with `auto` asking its head per cover level and a cold gate's first 16 verdicts "
-        "on probation. Math reasoning is held out: nothing was tuned on it."),
-    Run("all_methods_b1_humaneval_odd.json",
-        "Every method, batch 1, under the protocol: HumanEval's odd half",
-        "The fifth of the seven one-suite batch-1 runs, measured like the math run above."),
-    Run("all_methods_b1_specbench_summarization.json",
-        "Every method, batch 1, under the protocol: summarization",
-        "The sixth of the seven one-suite batch-1 runs, measured like the math run above, "
-        "with the EAGLE-3 head expanding only the frontier nodes that can still enter a "
-        "tree and ranking each level with an int8 screen of its LM head."),
     Run("auto_mixed_traffic_b1.json", "Mixed traffic at batch 1: `auto` against the leading "
         "single methods",
         "All seven suites interleaved prompt by prompt (QA, translation, summarization, RAG, "
         "MT-bench, math, HumanEval's odd half; 8 prompts, so one or two of each), measured "
-        "like the one-suite runs above, with the methods that lead a suite there. `auto`'s "
+        "like the batch-1 runs above, with the methods that lead a suite there. `auto`'s "
         "third engine drafted less (tau 1.41 against 1.92 and 1.94 in the first two)."),
     Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
         "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
@@ -144,6 +139,11 @@ VERIFY_COST = (
 
 SOAK_GLOB = "soak_*.json"
 
+# The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
+GPU_KERNEL_CHECK = "gpu_kernel_check_h200.json"
+# Its tile sizes against verification-step shapes (benchmarks.studies.gpu_tree_tiles).
+GPU_TREE_TILES = "gpu_tree_tiles_h200.json"
+
 # Tau per tenant-isolation mode on a workload where tenants ask the same questions.
 ISOLATION = "isolation_tau.json"
 
@@ -167,5 +167,5 @@ def files() -> list[str]:
     names = [r.file for r in headline]
     names += [f for r in headline for f, _ in r.reruns]
     names += [r.file for r in METHOD_RUNS] + [f for f, _ in VERIFY_COST]
-    names += [f for f, _, _ in STUDY_OUTPUTS] + [ISOLATION]
+    names += [f for f, _, _ in STUDY_OUTPUTS] + [ISOLATION, GPU_KERNEL_CHECK, GPU_TREE_TILES]
     return names + sorted(p.name for p in RESULTS_DIR.glob(SOAK_GLOB))

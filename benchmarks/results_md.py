@@ -305,6 +305,82 @@ def isolation_section() -> list[str]:
             *isolation_table(), ""]
 
 
+def _checks_line(checks: list[dict], kernel: str) -> str:
+    rows = [c for c in checks if c["kernel"] == kernel]
+    worst = {}
+    for c in rows:
+        if "max_abs_err" in c:
+            worst[c["dtype"]] = max(worst.get(c["dtype"], 0.0), c["max_abs_err"])
+    errs = ", ".join(f"{d} {e:.1e}" for d, e in sorted(worst.items()))
+    return (f"| `{kernel}` | {sum(c['ok'] for c in rows)} / {len(rows)} | "
+            + (errs or "exact") + " |")
+
+
+def gpu_kernel_section() -> list[str]:
+    d = C.load(C.GPU_KERNEL_CHECK)
+    env, checks = d["environment"], d["checks"]
+    out = ["## GPU kernel check", "",
+           "`python -m vllm_specplug.kernels.check --jobs 14` (torch, Triton and numpy only; "
+           "vLLM not installed): every Triton kernel against its torch reference over the "
+           "full grid, the start-up warm-up's cover, the EAGLE-3 head's tree expansion on "
+           "CUDA against CPU, and timings (CUDA events, median of 20).", "",
+           f"- File: {file_link(C.GPU_KERNEL_CHECK)}; {env['device']}, torch {env['torch']} "
+           f"(CUDA {env['cuda']}), Triton {env.get('triton')}; {d['seconds']:.0f} s; "
+           f"{d['failed']} misses.", "",
+           "| kernel | checks passed | largest error (per dtype) |", "|---|---|---|"]
+    kernels = dict.fromkeys(c["kernel"] for c in checks)
+    out += [_checks_line(checks, k) for k in kernels]
+    for c in d.get("eagle3", {}).get("checks", []):
+        out.append(f"| EAGLE-3 tree expansion, {c['shape']} | {int(c['ok'])} / 1 | "
+                   f"same trees, CUDA against CPU |")
+    w = d.get("warm_up", {})
+    if "new_variants_while_serving" in w:
+        out += ["", f"Warm-up: after `warm_up_gpu_kernels`, 40 serving-shaped tree steps and KV "
+                f"moves compiled {sum((w['new_variants_while_serving'] or {}).values())} new "
+                f"Triton variants (slowest step {w['slowest_step_ms']:.2f} ms)."]
+    timing = d.get("timing", {})
+    out += ["", "| timed (bfloat16) | ms | reference | ms |", "|---|---|---|---|"]
+    for case in timing.get("tree_attention", {}).get("cases", []):
+        s = case["shape"]
+        what = (f"tree attention, {s['requests']} x {s['nodes']} nodes, context "
+                f"{s['context']}, {s['q_heads']}/{s['kv_heads']} heads x {s['head_dim']}")
+        out.append(f"| {what} | {case['tree_attention_ms']:.3f} (split KV "
+                   f"{case['tree_attention_split_ms']:.3f}) | torch SDPA, masked, on K/V "
+                   f"gathered beforehand | {case['sdpa_masked_ms']:.3f} |")
+    kv = timing.get("kv_move")
+    if kv:
+        s = kv["shape"]
+        out.append(f"| KV move, {s['layers']} layers x {s['moves']} slots, all layers in one "
+                   f"launch pair | {kv['kv_move_caches_ms']:.3f} | torch gather/scatter per "
+                   f"stacked cache | {kv['torch_gather_scatter_ms']:.3f} |")
+    return out + [""] + gpu_tiles_table()
+
+
+def gpu_tiles_table() -> list[str]:
+    """Tree attention's launch (split KV as the runner picks it) per tile
+    size: the former 16-row tile, the one the kernel picks now, the fastest."""
+    d = C.load(C.GPU_TREE_TILES)
+    out = [f"Tile sizes (`python -m benchmarks.studies.gpu_tree_tiles`, "
+           f"{file_link(C.GPU_TREE_TILES)}; {d['device']}; bfloat16, ms, split KV as the "
+           "runner picks it; rows: (token, head) pairs per program):", "",
+           "| requests x nodes, context, head size, q/kv heads | torch SDPA | 16 rows x 32 keys "
+           "(former) | 64 rows x 64 keys (now) | fastest |", "|---|---|---|---|---|"]
+    for shape, (reqs, nodes, ctx, head_dim, qpk, kvh) in d["shapes"].items():
+        rows = [r for r in d["rows"] if r["shape"] == shape and "split_ms" in r]
+
+        def pick(tile_rows, keys):
+            hit = [r for r in rows if r["tile_rows"] == tile_rows and r["block_n"] == keys
+                   and r["num_warps"] == 4]
+            return _f(hit[0]["split_ms"], ".3f") if hit else "–"
+
+        best = min(rows, key=lambda r: r["split_ms"])
+        out.append(f"| {reqs} x {nodes}, {ctx}, {head_dim}, {qpk * kvh}/{kvh} | "
+                   f"{rows[0]['sdpa_ms']:.3f} | {pick(max(16, qpk), 32)} | {pick(64, 64)} | "
+                   f"{best['split_ms']:.3f} ({best['tile_rows']} rows x {best['block_n']} keys, "
+                   f"{best['num_warps']} warps) |")
+    return out + [""]
+
+
 # ------------------------------------------------------------- RESULTS.md
 def results_md() -> str:
     out = ["# Benchmark results", "",
@@ -333,13 +409,14 @@ def results_md() -> str:
     out += ["## Contents", ""] + [
         f"- {r.title}" for r in (*headline_runs(), *C.METHOD_RUNS)] + [
         "- Cost of one verification step", "- Soak runs", "- Tenant isolation and acceptance",
-        "- Study outputs", ""]
+        "- GPU kernel check", "- Study outputs", ""]
     for parts in C.ALL_METHODS.values():
         for run in parts:
             out += run_section(run)
     for run in C.METHOD_RUNS:
         out += run_section(run)
-    out += verify_cost_section() + soak_section() + isolation_section()
+    out += (verify_cost_section() + soak_section() + isolation_section()
+            + gpu_kernel_section())
     out += ["## Study outputs", ""] + [
         f"- {file_link(name)} (`python -m {cmd}`): {what}"
         for name, cmd, what in C.STUDY_OUTPUTS] + [""]

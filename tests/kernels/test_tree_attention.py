@@ -194,3 +194,25 @@ def test_split_kv_segments_choice():
     assert split_kv_segments(2048, 16) == 4
     assert split_kv_segments(100_000, 8) == 8  # at most MAX_SEGMENTS
     assert split_kv_segments(100_000, 100) == 3  # brings 100 programs near 256
+
+
+@pytest.mark.parametrize("block_q,block_n", [(1, 16), (3, 32), (16, 64), (32, 16)])
+def test_any_tile_size_matches_reference(block_q, block_n):
+    """The tile sizes are tuning only: query tokens per program (a tree or a
+    causal run cut anywhere, or many in one tile) and keys per tile."""
+    specs = _tree_specs(random.Random(5))
+    batch = _make_batch(specs, head_dim=32, qpk=2, dtype=torch.float32, seed=6)
+    want = tree_attention_ref(**batch)
+    for segments in (1, 3):
+        got = tree_attention_triton(**batch, block_q=block_q, block_n=block_n,
+                                    num_segments=segments)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_tile_choice():
+    from vllm_specplug.kernels.tree_attention import tile_keys, tile_rows
+
+    assert tile_rows(128) == 64 and tile_rows(256) == 32
+    # a key row of at most 256 bytes gets 64 keys a tile
+    assert tile_keys(128, 2) == 64 and tile_keys(64, 4) == 64
+    assert tile_keys(128, 4) == 32 and tile_keys(256, 2) == 32

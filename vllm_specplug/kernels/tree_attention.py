@@ -358,6 +358,21 @@ def split_kv_segments(max_context_len: int, num_programs: int, target_programs: 
     return max(1, min(want, max_context_len // min_keys, max_segments))
 
 
+def tile_rows(block_d: int) -> int:
+    """Tile rows ((token, head) pairs) per program. A program reads its
+    sequence's whole context once, so more query tokens per program means
+    fewer reads of the same K/V: 64 rows ran 1.0-2.7x faster than 16 on an
+    H200 across batch shapes (``benchmarks/studies/gpu_tree_tiles.py``);
+    head sizes above 128 get 32 to keep the tile in registers."""
+    return 64 if block_d <= 128 else 32
+
+
+def tile_keys(block_d: int, element_size: int) -> int:
+    """Keys per tile: 64 where a key row is at most 256 bytes (bf16/fp16 up
+    to head size 128, fp32 up to 64), else 32 (shared memory per stage)."""
+    return 64 if block_d * element_size <= 256 else 32
+
+
 def tree_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -369,17 +384,22 @@ def tree_attention_triton(
     tree_mask: Optional[torch.Tensor] = None,
     is_tree: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
-    block_n: int = 32,
+    block_n: Optional[int] = None,
     num_segments: Optional[int] = 1,
     max_context_len: int = 0,
+    block_q: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the tree-attention kernel; see the module docstring for layouts.
 
     Output rows past ``query_start_loc[-1]`` (padding) are left unwritten.
-    ``block_n`` is the number of keys per tile (a power of two);
+    ``block_n`` is the number of keys per tile (a power of two; None:
+    ``tile_keys``);
     ``num_segments`` the context slices per sequence (split KV), None: by
     ``split_kv_segments`` from ``max_context_len``, the longest
-    ``seq_len - q_len`` (known on the host: no sync).
+    ``seq_len - q_len`` (known on the host: no sync). ``block_q``: query
+    tokens per program (None: enough for ``tile_rows`` rows); ``num_warps``:
+    Triton's (None: its default).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -391,8 +411,12 @@ def tree_attention_triton(
     qpk = num_q_heads // num_kv_heads
     # tl.dot wants >= 16 rows on GPU; fill them with more query tokens when
     # the GQA group is small (same choice as vLLM's unified attention).
-    block_m = 16 if qpk <= 16 else triton.next_power_of_2(qpk)
-    block_q = block_m // qpk
+    block_d = triton.next_power_of_2(head_dim)
+    if block_q is None:
+        block_q = max(1, tile_rows(block_d) // qpk)
+    block_m = max(16, triton.next_power_of_2(block_q * qpk))
+    if block_n is None:
+        block_n = tile_keys(block_d, q.element_size())
     if out is None:
         out = torch.empty_like(q)
     # Enough q-blocks for any split of num_tokens among num_seqs sequences.
@@ -423,7 +447,7 @@ def tree_attention_triton(
         NUM_Q_HEADS=num_q_heads,
         SPLIT=split,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         QPK=qpk,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -432,6 +456,7 @@ def tree_attention_triton(
         ALL_TREE=is_tree is None,
         # fp32 callers want fp32 accuracy; TF32 would miss a 1e-4 tolerance.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )
     if split:
         _merge_segments_kernel[(num_tokens, num_q_heads)](
@@ -475,16 +500,18 @@ def tree_attention_ref(
     tree_mask: Optional[torch.Tensor] = None,
     is_tree: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
-    block_n: int = 32,
+    block_n: Optional[int] = None,
     num_segments: Optional[int] = 1,
     max_context_len: int = 0,
+    block_q: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> torch.Tensor:
     """Dense per-sequence attention with an explicit mask; same contract as the kernel.
 
-    ``block_n``, ``num_segments`` and ``max_context_len`` are accepted (and
-    ignored) so both functions share a signature.
+    The launch's tuning arguments are accepted (and ignored) so both
+    functions share a signature.
     """
-    del block_n, num_segments, max_context_len
+    del block_n, num_segments, max_context_len, block_q, num_warps
     num_q_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     qpk = num_q_heads // num_kv_heads
