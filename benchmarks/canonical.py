@@ -107,6 +107,16 @@ METHOD_RUNS = (
         "MT-bench, math, HumanEval's odd half; 8 prompts, so one or two of each), measured "
         "like the batch-1 runs above, with the methods that lead a suite there. `auto`'s "
         "third engine drafted less (tau 1.41 against 1.92 and 1.94 in the first two)."),
+    Run("auto_head_feed_summarization_b1.json", "`auto`'s head feed counted: summarization",
+        "`auto` (a request holds its prompt until it first asks the EAGLE-3 head, and the rows "
+        "it must feed the head count in the cost of asking) beside `auto@feed0` "
+        "(`head_feed_steps: 0`: prompts fed as they come, feeding counted in the head's time "
+        "per request asking) and `auto@nohead` (`use_head: never`), paired, three fresh "
+        "engines each (`benchmarks/configs/auto_head_feed.json`). In the first pass the head "
+        "was asked 27 times against 240 and fed 892 rows against 7063."),
+    Run("auto_head_feed_rag_b1.json", "`auto`'s head feed counted: RAG",
+        "The same three arms on RAG. In the first pass the head was asked 45 times against "
+        "273 and fed 786 rows against 6560."),
     Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
         "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
         "beside `auto` whose cold gate explores every step for its first 16 verdicts instead "
