@@ -409,8 +409,8 @@ def tree_attention_triton(
         raise TypeError("tree_mask must be int64 ancestor bitmasks")
     num_seqs = seq_lens.shape[0]
     qpk = num_q_heads // num_kv_heads
-    # tl.dot wants >= 16 rows on GPU; fill them with more query tokens when
-    # the GQA group is small (same choice as vLLM's unified attention).
+    # enough query tokens per program for tile_rows rows; tl.dot wants at
+    # least 16 rows on GPU
     block_d = triton.next_power_of_2(head_dim)
     if block_q is None:
         block_q = max(1, tile_rows(block_d) // qpk)
