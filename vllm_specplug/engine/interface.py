@@ -71,6 +71,12 @@ class Needs:
     relaxed: RelaxedRule | None = None
     """LOSSY opt-in (ReSpec's relaxed verification): greedy requests accept
     some rejected nodes of the named sources (``engine/verify.py``)."""
+    rows_on_host: bool = False
+    """The method reads ``hidden``, ``layer_hidden``, ``topk_ids``,
+    ``topk_probs`` and ``entropy`` on the host: the runner brings every
+    request's rows back in one device->host copy a step instead of one (or
+    several) per request. ``aux_hidden`` and the tree rows' top-k stay on
+    the device."""
 
 
 @dataclass

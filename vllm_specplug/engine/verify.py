@@ -19,8 +19,11 @@ vLLM's own behaviour (one-hot ``q``, the whole chain verified).
 Device work is batched so that a step costs one device->host copy, not one
 per tree node: ``child_probs`` gathers ``p(c)`` of every child of every
 internal node of every sampled tree in one indexing op and draws one uniform
-per internal node from each request's own generator; ``choose_paths`` then
-walks the trees on the host. ``q`` is kept sparse (children ids and
+per internal node from each request's own generator (``ChildDraws``, still
+on the device, so the runner reads them back in the same copy as the argmax
+rows); ``choose_paths`` then walks the trees on the host, and
+``greedy_accepted`` says on the host what vLLM's greedy rejection rule will
+accept of each chosen path. ``q`` is kept sparse (children ids and
 probabilities) until ``draft_probs_tensor`` writes vLLM's dense
 ``[path tokens, vocab]`` draft-probability input with one scatter.
 ``child_probs_chunked`` makes the sampled rows' probabilities a chunk of
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_specplug.engine.transfer import to_device
 from vllm_specplug.engine.tree import DraftTree
 
 
@@ -93,7 +97,7 @@ def _child_cells(tree: DraftTree, toks: list[int], base: int
 
 
 def _gather(probs: torch.Tensor, rows: list[int], cols: list[int]) -> torch.Tensor:
-    idx = torch.as_tensor([rows, cols], dtype=torch.long).to(probs.device, non_blocking=True)
+    idx = to_device(np.asarray([rows, cols], dtype=np.int64), torch.long, probs.device)
     return probs[idx[0], idx[1]].double()
 
 
@@ -102,6 +106,26 @@ def _uniforms(sampled, parents, device, generators) -> list[torch.Tensor]:
     generator, drawn in ``sampled`` order."""
     return [torch.rand(len(parents[i]), device=device, generator=generators.get(i),
                        dtype=torch.float64) for i in sampled]
+
+
+@dataclass
+class ChildDraws:
+    """``ChildProbs`` before the device->host copy: every gathered ``p(c)``
+    then every uniform, as one flat float64 tensor (None: no sampled tree
+    has a child), and how to split it."""
+
+    values: torch.Tensor | None
+    sampled: list[int]
+    parents: dict[int, list[tuple[int, list[int]]]]
+
+    def on_host(self, flat: list[float] | None = None) -> ChildProbs:
+        """The split host copy; ``flat``: ``values`` already read back (with
+        other tensors, in one copy), else read here."""
+        if self.values is None:
+            return ChildProbs({}, {})
+        if flat is None:
+            flat = self.values.cpu().tolist()
+        return _split(flat, self.sampled, self.parents)
 
 
 def _split(flat: list[float], sampled, parents) -> ChildProbs:
@@ -141,8 +165,8 @@ def child_probs(
     uniforms = _uniforms(sampled, parents, probs.device, generators)
     if not rows:
         return ChildProbs({}, {})
-    flat = torch.cat([_gather(probs, rows, cols), *uniforms]).cpu().tolist()
-    return _split(flat, sampled, parents)
+    values = torch.cat([_gather(probs, rows, cols), *uniforms])
+    return ChildDraws(values, sampled, parents).on_host()
 
 
 def child_probs_chunked(
@@ -159,6 +183,20 @@ def child_probs_chunked(
     (``row_counts[i]`` each, in order), at most ``max_rows`` rows a chunk
     unless one request has more. Only the gathered children outlive a
     chunk; still one device->host copy, the same draws, the same result."""
+    return child_draws_chunked(trees, drafts, sampled, row_counts, probs_of, generators,
+                               max_rows).on_host()
+
+
+def child_draws_chunked(
+    trees: dict[int, DraftTree],
+    drafts: list[list[int]],
+    sampled: list[int],
+    row_counts: dict[int, int],
+    probs_of: Callable[[list[int]], torch.Tensor],
+    generators: dict[int, torch.Generator],
+    max_rows: int,
+) -> ChildDraws:
+    """``child_probs_chunked`` left on the device (``ChildDraws``)."""
     parents, gathered, device = {}, [], None
     for group in request_chunks([row_counts[i] for i in sampled], max_rows):
         reqs = [sampled[g] for g in group]
@@ -174,10 +212,9 @@ def child_probs_chunked(
             gathered.append(_gather(probs, rows, cols))
             del probs
     if not gathered:
-        return ChildProbs({}, {})
+        return ChildDraws(None, sampled, parents)
     uniforms = _uniforms(sampled, parents, device, generators)
-    flat = torch.cat([*gathered, *uniforms]).cpu().tolist()
-    return _split(flat, sampled, parents)
+    return ChildDraws(torch.cat([*gathered, *uniforms]), sampled, parents)
 
 
 def choose_paths(
@@ -235,6 +272,27 @@ def choose_paths(
     return Paths(paths, q_rows)
 
 
+def greedy_accepted(paths: list[list[int]], drafts: list[list[int]], row_base,
+                    argmax: list[int]) -> list[int]:
+    """Per request, how many tokens of its chosen path vLLM's greedy
+    rejection rule accepts: the leading ones equal to the argmax of the row
+    before them (the root's row, then the row after each accepted node).
+    A greedy tree path is chosen that way, so all of it; a chain stops at
+    its first miss. Exact where the rejection sampler's argmax is this one:
+    no logits processor, penalty or bad word changes the rows (the caller
+    checks). Pure host code."""
+    out = []
+    for i, path in enumerate(paths):
+        row, n = int(row_base[i]), 0
+        for j in path:
+            if drafts[i][j] != argmax[row]:
+                break
+            n += 1
+            row = int(row_base[i]) + 1 + j
+        out.append(n)
+    return out
+
+
 def draft_probs_tensor(q_rows, vocab: int, device) -> torch.Tensor:
     """vLLM's ``draft_probs [len(q_rows), vocab]``, written with one scatter.
     Negative token ids (vLLM's ``-1`` padding of fully cached prompts) get a
@@ -256,8 +314,8 @@ def draft_probs_tensor(q_rows, vocab: int, device) -> torch.Tensor:
             vals.append(1.0)
     out = torch.zeros(len(q_rows), vocab, device=device)
     if rows:
-        idx = torch.as_tensor(np.asarray([rows, cols], dtype=np.int64)).to(device)
-        out[idx[0], idx[1]] = torch.as_tensor(vals, dtype=torch.float32).to(device)
+        idx = to_device(np.asarray([rows, cols], dtype=np.int64), torch.long, device)
+        out[idx[0], idx[1]] = to_device(vals, torch.float32, device)
     return out
 
 

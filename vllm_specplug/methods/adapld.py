@@ -309,6 +309,7 @@ class AdaPLDProposer(Proposer):
         return Needs(
             hidden_layer=self.layer, topk=cfg.topk,
             prefill_topk=cfg.prompt_topk and cfg.topk > 0,
+            rows_on_host=True,  # its context memory is a host array
         )
 
     def add_request(self, req_id: str) -> None:

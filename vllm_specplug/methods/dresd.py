@@ -21,6 +21,7 @@ import logging
 import time
 
 import numpy as np
+import torch
 from pydantic import Field
 
 from vllm_specplug.config import MethodConfig, option_error
@@ -145,7 +146,7 @@ class DReSDProposer(Proposer):
         cfg: DReSDConfig = self.config
         out: list[DraftTree | None] = [None] * len(batch)
         rows: list[int] = []
-        hidden: list[np.ndarray] = []
+        hidden: list[torch.Tensor] = []
         for i, req in enumerate(batch):
             if req.budget <= 0:
                 continue
@@ -154,15 +155,17 @@ class DReSDProposer(Proposer):
                 continue
             # Last row = state after reading the last accepted input token,
             # i.e. the one whose logits produced token_ids[-1].
-            hidden.append(req.hidden[-1].detach().float().cpu().numpy())
+            hidden.append(req.hidden[-1])
             rows.append(i)
         if not rows:
             return out
+        # one device->host copy for the batch, not one per request
+        queries = torch.stack(hidden).detach().float().cpu().numpy()
         self._counts["steps"] += 1
         self._counts["queries"] += len(rows)
         t0 = time.perf_counter()
         seqs, scores = self.store.query(
-            np.stack(hidden), cfg.num_candidates, leaves_to_search=cfg.leaves_to_search,
+            queries, cfg.num_candidates, leaves_to_search=cfg.leaves_to_search,
             pre_reorder_num_neighbors=cfg.pre_reorder_num_neighbors)
         self._query.add(time.perf_counter() - t0)
         for j, i in enumerate(rows):

@@ -174,7 +174,8 @@ class RespecProposer(Eagle3Drafter):
             rule = RelaxedRule(cfg.relaxed_beta, cfg.relaxed_tau_nats, cfg.relaxed_phi,
                                cfg.relaxed_m, (SOURCE,))
         return Needs(aux_layers=self.aux_layers, entropy=cfg.trigger,
-                     prompt_entropy_rows=cfg.max_key + 1, relaxed=rule)
+                     prompt_entropy_rows=cfg.max_key + 1, relaxed=rule,
+                     rows_on_host=True)  # the trigger reads entropies on the host
 
     def add_request(self, req_id: str) -> None:
         super().add_request(req_id)

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import torch
 
+from vllm_specplug.engine.transfer import to_device
 from vllm_specplug.runner.logit_rows import entropy as _entropy
 from vllm_specplug.runner.logit_rows import topk_probs as _topk_probs
 from vllm_specplug.runner.step_state import RequestPlan, StepState
@@ -24,7 +25,7 @@ def _selected_rows(want: list[int], logits) -> tuple[torch.Tensor, np.ndarray]:
     sel = sel[sel < n_rows]
     where = np.full(n_rows, -1, dtype=np.int64)
     where[sel] = np.arange(len(sel))
-    return torch.as_tensor(sel).to(logits.device, non_blocking=True), where
+    return to_device(sel, torch.long, logits.device), where
 
 class CaptureMixin:
     """Top-k, entropy and hidden-state capture (see module doc)."""
@@ -77,8 +78,7 @@ class CaptureMixin:
         want_aux = bool(needs.aux_layers) and bool(aux_hidden_states)
         if not rows or not (needs.hidden or want_layer or want_aux):
             return None, None, None
-        idx = torch.from_numpy(np.concatenate(rows)).to(hidden_states.device,
-                                                         non_blocking=True)
+        idx = to_device(np.concatenate(rows), torch.long, hidden_states.device)
         hid = hidden_states.index_select(0, idx) if needs.hidden else None
         layer_hid = aux = None
         if want_layer:
@@ -101,7 +101,7 @@ class CaptureMixin:
             base = int(state.logit_base[i])
             lrows = where[[base + r for r in rel]]
             if (lrows >= 0).all():
-                sreq.entropy = ent[torch.as_tensor(lrows, device=ent.device)]
+                sreq.entropy = ent[to_device(lrows, torch.long, ent.device)]
         elif len(rows):
             # a prompt chunk: only its last row has logits, so run the LM
             # head over the last few rows (the trigger looks back a few)
@@ -125,15 +125,15 @@ class CaptureMixin:
         ids, vals, where = state.topk
         base = int(state.logit_base[i])
         if plan.decoding:
-            lrows = torch.as_tensor(where[[base + r for r in rel]], device=ids.device)
+            lrows = to_device(where[[base + r for r in rel]], torch.long, ids.device)
             sreq.topk_ids, sreq.topk_probs = ids[lrows], vals[lrows]
             if needs.tree_topk:
                 # Every verified row of the tree (root + nodes), accepted or not.
                 n1 = int(state.logit_rows[i])
                 root = int(state.root_row[i])
                 sreq.node_tokens = self.input_ids.gpu[root : root + n1].clone()
-                sreq.node_topk_ids = ids[torch.as_tensor(where[base : base + n1],
-                                                         device=ids.device)]
+                sreq.node_topk_ids = ids[to_device(where[base : base + n1], torch.long,
+                                                   ids.device)]
         elif needs.prefill_topk and n_sched > 0 and side_work:
             t0 = time.perf_counter()
             # the chunk's last rows only (Needs.prefill_topk_rows)
@@ -148,6 +148,6 @@ class CaptureMixin:
             self._sp_clock.side_seconds += time.perf_counter() - t0
         elif sreq.sampled:
             # Only the prompt's last position has logits without prefill_topk.
-            row = torch.as_tensor([where[base]], device=ids.device)
+            row = to_device([where[base]], torch.long, ids.device)
             sreq.topk_ids, sreq.topk_probs = ids[row], vals[row]
             sreq.topk_offset = n_sched - 1  # it follows the chunk's last token

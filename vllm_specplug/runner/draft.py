@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 
 from vllm_specplug.engine.budget import pick_explorer
 from vllm_specplug.engine.interface import StepRequest, draft_budget
+from vllm_specplug.engine.transfer import read_back, to_device
 from vllm_specplug.engine.tree import DraftTree, normalize_tree
 from vllm_specplug.metrics import WorkerCounters, worker_counters
 from vllm_specplug.runner.guard import guard_for
@@ -144,8 +145,8 @@ class DraftMixin:
             if rid in silent:
                 continue  # no LM-head side work for it
             # a prompt chunk's rows also feed an LM-head pass (top-k, entropy)
-            rows = None if p.decoding else torch.as_tensor(
-                p.first_row + np.asarray(p.rows), device=hidden_states.device)
+            rows = None if p.decoding else to_device(
+                p.first_row + np.asarray(p.rows), torch.long, hidden_states.device)
             # a prompt's LM-head pass only with the gate open and proven
             # (engine/budget.DraftGate.side_work): in a closed gate's
             # exploring step only one decoding request drafts
@@ -153,6 +154,8 @@ class DraftMixin:
             if needs.entropy:
                 self._sp_fill_entropy(sreq, state, i, p, hidden_states, rows)
             self._sp_count_sources(sreq)
+        if needs.rows_on_host:
+            _rows_to_host(batch)
         if drafting:
             # rank 0's time, as every budget input (ranks must gate alike)
             self._sp_budget.observe_side(tp_rank0_float(self._sp_clock.side_seconds))
@@ -301,6 +304,18 @@ class DraftMixin:
         if self.parallel_config.tensor_parallel_size > 1:
             pick = int(tp_rank0_float(float(pick)))
         return pick if pick >= 0 else None  # pick_explorer: -1 when none can draft
+
+
+_HOST_ROWS = ("hidden", "layer_hidden", "topk_ids", "topk_probs", "entropy")
+"""The ``StepRequest`` fields ``Needs.rows_on_host`` brings to the host."""
+
+
+def _rows_to_host(batch: list[StepRequest]) -> None:
+    """Every request's ``_HOST_ROWS`` as host tensors, in one device->host
+    copy for the step (``engine/transfer.read_back``)."""
+    slots = [(r, f) for r in batch for f in _HOST_ROWS if getattr(r, f) is not None]
+    for (r, f), t in zip(slots, read_back(*(getattr(r, f) for r, f in slots))):
+        setattr(r, f, t)
 
 
 def _attach_rows(sreq: StepRequest, step_rows, at: int, n: int) -> None:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vllm_specplug.engine.verify import ChildProbs, child_probs_chunked
+from vllm_specplug.engine.transfer import to_device
+from vllm_specplug.engine.verify import ChildDraws, child_draws_chunked
 from vllm_specplug.runner.memory import chunk_rows
 
 
@@ -96,10 +97,11 @@ def sampled_probs(logits: torch.Tensor, rows: torch.Tensor, cu_rows: torch.Tenso
 
 def sampled_child_probs(logits: torch.Tensor, trees, drafts: list[list[int]],
                         sampled: list[int], num_drafts, row_base, sampling_metadata,
-                        max_rows: int | None = None) -> ChildProbs:
+                        max_rows: int | None = None) -> ChildDraws:
     """``engine/verify.child_probs`` for the ``sampled`` tree requests,
     their probabilities made a chunk of whole requests at a time (request
-    i: ``num_drafts[i] + 1`` rows from logits row ``row_base[i]``)."""
+    i: ``num_drafts[i] + 1`` rows from logits row ``row_base[i]``), left on
+    the device (``ChildDraws.on_host`` reads them)."""
     counts = {i: int(num_drafts[i]) + 1 for i in sampled}
 
     def probs_of(reqs: list[int]) -> torch.Tensor:
@@ -107,10 +109,10 @@ def sampled_child_probs(logits: torch.Tensor, trees, drafts: list[list[int]],
         for i in reqs:
             per_request[i] = counts[i]
         sel = np.concatenate([int(row_base[i]) + np.arange(counts[i]) for i in reqs])
-        cu = torch.as_tensor(np.cumsum(per_request)).to(logits.device, non_blocking=True)
-        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
+        cu = to_device(np.cumsum(per_request), torch.long, logits.device)
+        idx = to_device(sel, torch.long, logits.device)
         return sampled_probs(logits, idx, cu, sampling_metadata)
 
-    return child_probs_chunked(trees, drafts, sampled, counts, probs_of,
+    return child_draws_chunked(trees, drafts, sampled, counts, probs_of,
                                sampling_metadata.generators,
                                max_rows or chunk_rows(logits.shape[-1]))

@@ -60,6 +60,9 @@ class StepState:
     entropy: tuple[torch.Tensor, np.ndarray] | None = None
     """Entropies ``[rows]`` of each request's accepted logits rows, and the
     logits row -> row-in-entropies map (-1 where not computed)."""
+    drafts: list[list[int]] | None = None
+    """Per batch row: its scheduled draft tokens, the scheduler's host lists
+    (vLLM's device copy need not be read back)."""
 
 
 @dataclasses.dataclass

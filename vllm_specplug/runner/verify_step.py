@@ -11,6 +11,14 @@ rejection sampler verifies that path as a chain with draft distribution
 lossless tree rule, and vLLM's logprobs, stop handling and bookkeeping stay
 untouched. The accepted path's K/V is then moved to consecutive slots
 (the ``KV move``).
+
+What the host needs from the device comes back in one copy a step
+(``engine/transfer.read_back``): the argmax rows and the sampled walks'
+draws together, before the paths are chosen. The draft tokens are vLLM's
+host copy, and where every request is greedy and nothing changes the rows
+vLLM's verifier reads, how much of each path it accepts is known on the
+host (``engine/verify.greedy_accepted``) and its output is not read back;
+otherwise it is, once.
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ import torch
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
+from vllm_specplug.engine.transfer import read_back, to_device
 from vllm_specplug.engine.tree import DraftTree
 from vllm_specplug.engine.verify import (
     choose_paths,
     draft_probs_tensor,
+    greedy_accepted,
     relaxed_path,
 )
 from vllm_specplug.request_flags import wants_relaxed
@@ -55,7 +65,7 @@ def path_chain_metadata(paths, drafts, row_base, device):
     target = np.concatenate([s + np.arange(n) for s, n in zip(starts, lens)])
 
     def t(x):
-        return torch.as_tensor(np.asarray(x, dtype=np.int32), device=device)
+        return to_device(np.asarray(x, dtype=np.int32), torch.int32, device)
 
     meta = SpecDecodeMetadata(
         draft_token_ids=t(sum(tokens, [])),
@@ -66,7 +76,7 @@ def path_chain_metadata(paths, drafts, row_base, device):
         bonus_logits_indices=t(starts + lens),
         logits_indices=t(np.arange(len(gather))),
     )
-    return meta, torch.as_tensor(gather, device=device), tokens
+    return meta, to_device(gather, torch.long, device), tokens
 
 
 def _no_draft_at_all(meta: SpecDecodeMetadata | None, sampling_metadata) -> bool:
@@ -77,8 +87,13 @@ def _no_draft_at_all(meta: SpecDecodeMetadata | None, sampling_metadata) -> bool
             and sampling_metadata.max_num_logprobs is None)
 
 
-def _drafts_per_request(meta: SpecDecodeMetadata) -> list[list[int]]:
-    """Each request's draft tokens, in batch order."""
+def _drafts_per_request(meta: SpecDecodeMetadata,
+                        host: list[list[int]] | None = None) -> list[list[int]]:
+    """Each request's draft tokens, in batch order: ``host`` (the scheduler's
+    own lists, see ``StepState.drafts``) where it has the metadata's
+    lengths, else read from the device."""
+    if host is not None and [len(d) for d in host] == list(meta.num_draft_tokens):
+        return host
     flat = meta.draft_token_ids.tolist()
     cu = np.concatenate([[0], np.cumsum(meta.num_draft_tokens)])
     return [flat[cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
@@ -105,6 +120,19 @@ def _chain_only(sp) -> bool:
     )
 
 
+def _path_inputs(logits, need_argmax: bool, draws):
+    """What choosing the paths reads from the device, in one copy: the
+    argmax of every logits row (when a greedy tree needs it) and the
+    sampled walks' draws (``engine/verify.ChildDraws``)."""
+    values = None if draws is None else draws.values
+    top = logits.argmax(dim=-1) if need_argmax else None
+    top, values = read_back(top, values)
+    argmax = None if top is None else top.tolist()
+    walks = None if draws is None else draws.on_host(
+        None if values is None else values.tolist())
+    return argmax, walks
+
+
 class VerifyMixin:
     """Tree positions and masks before the forward, tree verification and
     the KV move after it (see module doc)."""
@@ -118,8 +146,11 @@ class VerifyMixin:
         for rid, toks in spec.items():
             drafts[self.input_batch.req_id_to_index[rid]] = len(toks)
         roots = root_rows(qsl, drafts)
+        req_ids = self.input_batch.req_ids
+        host_drafts = [list(spec.get(req_ids[i], ())) for i in range(n)]
         trees: dict[int, DraftTree] = {}
         rows: list[TreeRow] = []
+        node_rows, node_pos = [], []  # tree nodes' RoPE positions, set in one copy
         for rid, toks in spec.items():
             tree = self._sp_requests.trees.get(rid)
             m = len(toks)
@@ -133,15 +164,21 @@ class VerifyMixin:
             # The root's position: tokens computed before this step plus any
             # rows scheduled ahead of it.
             c = int(self.input_batch.num_computed_tokens_cpu[i]) + s - int(qsl[i])
-            depths = torch.from_numpy(tree.depths() + c)
-            self.positions[s + 1 : s + 1 + m] = depths.to(self.positions.device)
+            node_rows.append(np.arange(s + 1, s + 1 + m))
+            node_pos.append(tree.depths() + c)
             mask = torch.from_numpy(tree.ancestor_mask()[1:])
             if self.device.type != "cuda":
                 mask = mask.to(self.device)
             rows.append(TreeRow(s, m, c, i, mask, chain_prefix=tree.chain_prefix()))
             trees[i] = tree
+        if node_rows:
+            dev = self.positions.device
+            self.positions[to_device(np.concatenate(node_rows), torch.long, dev)] = to_device(
+                np.concatenate(node_pos), self.positions.dtype, dev)
         self._sp_state = StepState(trees=trees, root_row=roots,
-                                   attention=TreeStep(rows) if rows else None)
+                                   attention=TreeStep(rows, query_start_loc=qsl.copy())
+                                   if rows else None,
+                                   drafts=host_drafts)
         return out
 
     # ------------------------------------------------- verification (trees)
@@ -173,7 +210,8 @@ class VerifyMixin:
                     for i, a in enumerate(acc):
                         state.accepted_rows[i] = list(range(max(a, 1)))
                     self._sp_stats.record_chains(
-                        [_num_real(d) for d in _drafts_per_request(spec_decode_metadata)],
+                        [_num_real(d) for d in _drafts_per_request(spec_decode_metadata,
+                                                                   state.drafts)],
                         acc)
             else:
                 out = self._sp_sample_trees(logits, spec_decode_metadata, state)
@@ -196,18 +234,16 @@ class VerifyMixin:
     def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata, state: StepState):
         sm = self.input_batch.sampling_metadata
         n_draft = meta.num_draft_tokens
-        drafts = _drafts_per_request(meta)
+        drafts = _drafts_per_request(meta, state.drafts)
         base = state.logit_base
         temps = self.input_batch.temperature_cpu[: len(n_draft)]
         greedy = {i for i, t in enumerate(temps) if sm.all_greedy or t == 0.0}
         sampled = sorted(i for i in state.trees if i not in greedy)
-        argmax = None
-        if len(sampled) < len(state.trees):
-            argmax = logits.argmax(dim=-1).tolist()
-        walks = None
+        draws = None
         if sampled:
-            walks = sampled_child_probs(logits, state.trees, drafts, sampled, n_draft,
+            draws = sampled_child_probs(logits, state.trees, drafts, sampled, n_draft,
                                         base, sm)
+        argmax, walks = _path_inputs(logits, len(sampled) < len(state.trees), draws)
         chosen = choose_paths(state.trees, drafts, base, greedy, argmax, walks)
         relaxed = {}
         if self._sp_needs.relaxed is not None:
@@ -241,13 +277,36 @@ class VerifyMixin:
             # plain sampler on the root rows gives the same [requests, 1]
             # tokens and logprobs
             out = super()._sample(path_logits, None)
-        accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
+        if (argmax is not None and not relaxed and len(greedy) == len(drafts)
+                and self._sp_verifier_reads_raw_rows()):
+            accepted = greedy_accepted(chosen.paths, drafts, base, argmax)
+        else:
+            accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
         self._sp_move_kv(state, chosen.paths, accepted)
         for i, path in enumerate(chosen.paths):
             state.accepted_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
         self._sp_stats.record_trees([_num_real(d) for d in drafts], accepted,
                                     state.trees)
         return out
+
+    def _sp_verifier_reads_raw_rows(self) -> bool:
+        """vLLM's greedy verifier takes the argmax of the very rows the paths
+        were chosen by: no request in the batch has a penalty, bad words,
+        allowed tokens, a minimum length or a logits processor
+        (``_chain_only``; vLLM applies those to the rows it verifies), no
+        thinking budget is tracked, and the rejection sampler is not in
+        its synthetic-acceptance test mode."""
+        if getattr(self.rejection_sampler, "synthetic_mode", False):
+            return False
+        holder = getattr(self.input_batch.sampling_metadata,
+                         "thinking_budget_state_holder", None)
+        if holder is not None and holder.has_tracked_requests():
+            return False
+        for rid in self.input_batch.req_ids:
+            req = self.requests.get(rid)
+            if req is None or _chain_only(req.sampling_params):
+                return False
+        return True
 
     def _sp_relaxable(self, tree: DraftTree) -> bool:
         """The method's LOSSY relaxed rule may apply to this tree (even a
@@ -285,9 +344,9 @@ class VerifyMixin:
             return {}
         base, n_rows = state.logit_base, state.logit_rows
         sel = np.concatenate([int(base[i]) + np.arange(int(n_rows[i])) for i in todo])
-        idx = torch.as_tensor(sel).to(logits.device, non_blocking=True)
-        vals, ids = log_softmax_topk(logits, rule.beta, idx)
-        vals, ids = vals.cpu().tolist(), ids.cpu().tolist()
+        vals, ids = log_softmax_topk(logits, rule.beta, to_device(sel, torch.long,
+                                                                  logits.device))
+        vals, ids = (t.tolist() for t in read_back(vals, ids))
         out, k = {}, 0
         old = list(chosen.paths)
         for i in todo:
