@@ -225,3 +225,95 @@ def test_tree_rows_and_kv_move_on_backend_cache(backend, layout, monkeypatch):
             d = int(b.slots[d_row])
             assert torch.equal(k_cache[d // BS, d % BS], b.k[s_row])
             assert torch.equal(v_cache[d // BS, d % BS], b.v[s_row])
+
+
+def _interpreted_unified_attention(monkeypatch):
+    """vLLM's own TRITON_ATTN kernel, decorated by Triton itself for its
+    interpreter (vLLM's CPU build imports its kernels with placeholders in
+    Triton's place) and put where the backend's forward calls it."""
+    import importlib
+
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    import vllm.triton_utils as tu
+    import vllm.v1.attention.backends.triton_attn as ta
+    import vllm.v1.attention.ops.triton_attention_helpers as helpers
+    import vllm.v1.attention.ops.triton_unified_attention as tua
+
+    for name, real in (("triton", triton), ("tl", tl), ("tldevice", tldevice)):
+        monkeypatch.setattr(tu, name, real)
+    importlib.reload(helpers)
+    importlib.reload(tua)
+    monkeypatch.setattr(ta, "unified_attention", tua.unified_attention)
+
+
+def _causal_rows(b):
+    """The reference attention of every row, each seeing its request's
+    context and the rows up to itself (what a causal backend computes)."""
+    out = torch.empty_like(b.q)
+    rep = H // HKV
+    for i in range(len(b.computed)):
+        first, end = int(b.qsl[i]), int(b.qsl[i + 1])
+        for r in range(first, end):
+            k = torch.cat([b.ctx_k[i], b.k[first : r + 1]]).repeat_interleave(rep, 1)
+            v = torch.cat([b.ctx_v[i], b.v[first : r + 1]]).repeat_interleave(rep, 1)
+            w = torch.softmax(torch.einsum("hd,khd->hk", b.q[r], k) * D ** -0.5, -1)
+            out[r] = torch.einsum("hk,khd->hd", w, v)
+    return out
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_triton_attn_backend_skips_the_nodes(compact, monkeypatch):
+    """TRITON_ATTN's own forward (vLLM's kernel, interpreted) under the
+    wrapper: with the nodes taken out of its call (``compact_triton_metadata``)
+    every row is what it is with the backend attending them all: the
+    reference's causal rows outside the trees, the tree reference on the
+    nodes."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vllm_specplug.runner.tree_attention import TreeAttentionWrapper, TreeStep
+
+    _interpreted_unified_attention(monkeypatch)
+    impl, write = _writer("TRITON_ATTN", monkeypatch)
+    caches = _layer_caches(list(KVCacheLayout)[0])
+    b = _batch()
+    _write(b, caches, write)
+    q_lens = np.diff(b.qsl)
+    seq_lens = np.asarray(b.computed) + q_lens
+    meta = TritonAttentionMetadata(
+        num_actual_tokens=int(b.qsl[-1]), max_query_len=int(q_lens.max()),
+        query_start_loc=torch.as_tensor(b.qsl, dtype=torch.int32),
+        max_seq_len=int(seq_lens.max()),
+        seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32),
+        block_table=b.block_table, slot_mapping=b.slots, seq_threshold_3D=0,
+        num_par_softmax_segments=16, softmax_segm_output=torch.empty(0),
+        softmax_segm_max=torch.empty(0), softmax_segm_expsum=torch.empty(0), causal=True)
+    step = TreeStep(b.rows, query_start_loc=b.qsl if compact else None)
+    seen = []
+    real = type(impl).forward
+
+    def forward(layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
+        seen.append((attn_metadata.query_start_loc.tolist(), attn_metadata.seq_lens.tolist(),
+                     attn_metadata.max_query_len))
+        return real(impl, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw)
+
+    impl.forward = forward
+    wrapper = TreeAttentionWrapper("l0", impl, lambda: step, gpu=True)
+    layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()),
+                            _q_scale=torch.ones(()))
+    o = torch.zeros(b.q.shape[0], H, D)  # vLLM's Attention layer hands [tokens, heads, head]
+    wrapper(layer, b.q, b.k, b.v, caches["l0"], meta, o)
+    want = _causal_rows(b)
+    for r, rows in _expected_rows(b).items():
+        n = rows.shape[0]
+        want[r + 1 : r + 1 + n] = rows
+    torch.testing.assert_close(o, want, atol=1e-4, rtol=1e-4)
+    r0, r2 = b.rows  # request 1 is a plain decode
+    if compact:  # each tree ends at its root; its nodes are a request of their own
+        assert seen == [([0, r0.row_start + 1, 8, 9, r2.row_start + 1, 13],
+                         [r0.context_len + 1, r0.num_nodes, 41, r2.context_len + 1,
+                          r2.num_nodes], r0.num_nodes)]
+    else:
+        assert seen == [(b.qsl.tolist(), seq_lens.tolist(), int(q_lens.max()))]

@@ -17,7 +17,8 @@ every tree row's K/V already sits at its linear slot:
   reads every key (context, root, nodes) from the cache, split exactly as the
   backends split it: ``kv_cache [blocks, kv_heads, block_size, 2*head]`` ->
   ``transpose(1, 2).split(head, -1)`` -> K and V ``[blocks, block_size,
-  kv_heads, head]`` views (any physical stride order).
+  kv_heads, head]`` views (any physical stride order). On TRITON_ATTN the
+  backend's call skips the nodes (``compact_triton_metadata``), as on CPU.
 
 After acceptance the accepted path's K/V is moved to consecutive slots from
 the cache's own slots (``move_accepted_kv``, the ``kv_move`` kernel on GPU):
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from vllm_specplug.engine.transfer import to_device
 from vllm_specplug.kernels.cache_layout import cpu_split_cache, gpu_split_cache, slot_views
 
 
@@ -89,13 +91,28 @@ class TreeStep:
     the others (one host->device copy per step, not per layer)."""
     _cpu_meta: dict = field(default_factory=dict)
     """id(attention metadata) -> (metadata, its compacted copy or None): see
-    ``compact_cpu_metadata``; built on the first layer, reused by the others."""
+    ``compact_cpu_metadata`` and ``compact_triton_metadata``; built on the
+    first layer, reused by the others."""
+    query_start_loc: np.ndarray | None = None
+    """The step's query start per request, on the host (vLLM's own copy):
+    what ``compact_triton_metadata`` rebuilds the request boundaries from
+    without reading the device."""
 
     def cpu_metadata(self, meta, impl, isa: str, dtype: torch.dtype):
         key = id(meta)
         hit = self._cpu_meta.get(key)
         if hit is None or hit[0] is not meta:
             hit = (meta, compact_cpu_metadata(meta, self.rows, impl, isa, dtype))
+            self._cpu_meta[key] = hit
+        return hit[1]
+
+    def gpu_metadata(self, meta):
+        """TRITON_ATTN's metadata with the nodes taken out (or None), built
+        on the first layer, reused by the others."""
+        key = id(meta)
+        hit = self._cpu_meta.get(key)
+        if hit is None or hit[0] is not meta:
+            hit = (meta, compact_triton_metadata(meta, self.rows, self.query_start_loc))
             self._cpu_meta[key] = hit
         return hit[1]
 
@@ -112,7 +129,7 @@ class TreeStep:
             seq_lens = [r.context_len + 1 + r.num_nodes for r in self.rows]
 
             def dev(x, dtype):
-                return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+                return to_device(x, dtype, device)
 
             self._gpu = dict(
                 rows=dev(rows, torch.long), qsl=dev(qsl, torch.int32),
@@ -178,9 +195,10 @@ class TreeAttentionWrapper:
             return self.inner(layer, query, key, value, kv_cache, attn_metadata,
                               output, *args, **kwargs)
         gpu = kv_cache.is_cuda if self.gpu is None else self.gpu
-        meta = attn_metadata
-        if not gpu:
-            # the backend skips the nodes recomputed below (compact_cpu_metadata)
+        # the backend skips the nodes recomputed below where it can
+        if gpu:
+            meta = step.gpu_metadata(attn_metadata) or attn_metadata
+        else:
             meta = step.cpu_metadata(attn_metadata, self.impl, getattr(layer, "isa", "vec"),
                                      query.dtype) or attn_metadata
         out = self.inner(layer, query, key, value, kv_cache, meta, output, *args, **kwargs)
@@ -259,6 +277,57 @@ def compact_cpu_metadata(meta, rows: list[TreeRow], impl, isa: str, dtype: torch
     return replace(meta, query_start_loc=qsl_t, seq_lens=seq_t, block_table=blocks,
                    scheduler_metadata=sched, max_query_len=int(q_lens.max()),
                    max_seq_len=int(max(new_seq)))
+
+
+def compact_triton_metadata(meta, rows: list[TreeRow], query_start_loc):
+    """TRITON_ATTN's metadata with the tree nodes taken out of their
+    requests, as ``compact_cpu_metadata`` does on CPU (None for another
+    backend's metadata, or where it cannot be done safely: the backend then
+    attends every row, and the nodes are recomputed all the same).
+
+    The backend's kernel gives each program a few query tokens of one
+    request and walks that request's whole context, so a tree's nodes in its
+    request cost the backend one more context walk per few nodes, which
+    ``gpu_tree_rows`` then overwrites. Here each tree request ends at its
+    root and its nodes become a request of their own attending to the first
+    ``num_nodes`` slots of the same blocks: cheap, finite, and overwritten.
+    Built from the host's request boundaries and the tree rows' lengths (no
+    read of the device); the sequence lengths of the other requests are
+    gathered on the device."""
+    if type(meta).__name__ != "TritonAttentionMetadata" or query_start_loc is None:
+        return None
+    if (meta.causal is not True or meta.mm_prefix_range_tensor is not None
+            or meta.rswa_prefix_lens is not None):
+        return None
+    qsl = [int(x) for x in query_start_loc]
+    n_req = len(qsl) - 1
+    if meta.query_start_loc.shape[0] != n_req + 1 or meta.seq_lens.shape[0] != n_req:
+        return None  # padded requests: not the layout the runner built
+    trees = {r.req_index: r for r in rows}
+    new_qsl, src, fixed, fixed_len = [0], [], [], []
+    for i in range(n_req):
+        r = trees.get(i)
+        if r is None:
+            new_qsl.append(qsl[i + 1])
+            src.append(i)
+            continue
+        first, n = r.row_start + 1, r.num_nodes
+        if first + n != qsl[i + 1]:
+            return None
+        new_qsl += [first, first + n]
+        fixed += [len(src), len(src) + 1]
+        fixed_len += [r.context_len + 1, n]  # ends at its root; the nodes' own
+        src += [i, i]
+    dev = meta.seq_lens.device
+    up = to_device(np.asarray(new_qsl + src + fixed + fixed_len, dtype=np.int64),
+                   torch.long, dev)  # one upload
+    a, b, c = len(new_qsl), len(new_qsl) + len(src), len(new_qsl) + len(src) + len(fixed)
+    src_t = up[a:b]
+    seq = meta.seq_lens.index_select(0, src_t)
+    seq[up[b:c]] = up[c:].to(seq.dtype)
+    return replace(meta, query_start_loc=up[:a].to(meta.query_start_loc.dtype),
+                   seq_lens=seq, block_table=meta.block_table.index_select(0, src_t),
+                   max_query_len=int(np.diff(new_qsl).max()))
 
 
 def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
@@ -365,9 +434,9 @@ def move_accepted_kv(step: TreeStep, src_rows, dst_rows, moves: "LayerMoves") ->
     if len(src_rows) == 0 or step.slot_mapping is None:
         return
     slots = step.slot_mapping
-    src = torch.as_tensor(src_rows, dtype=torch.long).to(slots.device, non_blocking=True)
-    dst = torch.as_tensor(dst_rows, dtype=torch.long).to(slots.device, non_blocking=True)
-    moves.move(step, slots[src].long(), slots[dst].long())
+    rows = to_device(np.concatenate([src_rows, dst_rows]), torch.long, slots.device)
+    picked = slots[rows].long()
+    moves.move(step, picked[: len(src_rows)], picked[len(src_rows):])
 
 
 class LayerMoves:
