@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from benchmarks.figures import save_png
 from benchmarks.machine import describe
 
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
@@ -367,7 +368,7 @@ def plot(doc: dict, path: str) -> None:
     fig.legend(legend.values(), legend.keys(), loc="lower center",
                ncol=min(8, max(1, len(legend))), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, (0.5 + 0.25 * ((len(legend) - 1) // 8)) / height, 1, 1))
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import sys
 
+from benchmarks.figures import save_png
+
 PANELS = (("output_throughput", None, "output tokens/s"),
           ("tpot_ms", "p50", "p50 TPOT (ms)"), ("tpot_ms", "p99", "p99 TPOT (ms)"))
 BASELINE = "none"
@@ -71,7 +73,7 @@ def plot_group(recs: list[dict], title: str, path: str) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
 
 

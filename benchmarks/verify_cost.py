@@ -34,6 +34,8 @@ import os
 import time
 from statistics import median
 
+from benchmarks.figures import save_png
+
 
 def _engine(conn, model: str, dtype: str, batch: int, size: int, steps: int,
             eager: bool = False, prompt_tokens: int = 100, plugin: bool = False) -> None:
@@ -214,7 +216,7 @@ def _plot(records, path, meta) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

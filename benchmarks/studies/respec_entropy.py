@@ -20,6 +20,8 @@ import json
 
 import numpy as np
 
+from benchmarks.figures import save_png
+
 CATEGORIES = ("summarization", "rag", "qa", "translation")
 
 
@@ -111,7 +113,7 @@ def plot(data: dict, png: str) -> None:
     b.set_title("steps with an earlier key occurrence")
     b.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    save_png(fig, png, dpi=110)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import run
+from benchmarks.figures import save_png
 
 
 def grid_options(taus: list[float], ms: list[int], base: dict) -> dict[str, dict]:
@@ -76,7 +77,7 @@ def plot(doc: dict, path: str) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
