@@ -482,7 +482,7 @@ def summary_block(link: str) -> str:
     batches = sorted(C.ALL_METHODS)
     cells = {b: best_cells(b) for b in batches}
     methods = list(dict.fromkeys(m for b in batches for m, _ in cells[b] if m != "none"))
-    n_suites = len({s for _, s in cells[batches[0]]})
+    n_suites = {b: len({s for _, s in cells[b]}) for b in batches}
     spec = has_speculation(cells)
     lines = _block_head("method", batches, spec)
     for m in methods:
@@ -501,7 +501,12 @@ def summary_block(link: str) -> str:
     machine = _machine(C.load(C.ALL_METHODS[batches[0]][0].file)["run"].get("machine"))
     how = ("each cell the median of its passes" if spec
            else "a cell re-measured with repeats counts with its re-run")
-    lines += ["", f"Lowest–highest over {n_suites} suites (Spec-Bench's categories and "
+    if len(set(n_suites.values())) == 1:
+        over = f"over {n_suites[batches[0]]} suites ("
+    else:  # a batch size measured on some suites so far
+        over = "over the suites of each batch size (" + ", ".join(
+            f"batch {b}: {n}" for b, n in n_suites.items()) + "; "
+    lines += ["", f"Lowest–highest {over}Spec-Bench's categories and "
               f"HumanEval; {how}), {machine}; tau is tokens per target pass. "
               f"{SPECULATION_NOTE if spec else SPEEDUP_NOTE} "
               f"Every figure, with how it was measured: [RESULTS.md]({link})."]
