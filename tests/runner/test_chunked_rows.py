@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.engine.verify import child_probs, child_probs_chunked
+from vllm_specplug.engine.verify import child_draws_chunked, child_probs
 from tests.helpers.cpu_kernels import cpu_kernels
 from vllm_specplug.runner.logit_rows import (
     entropy,
@@ -76,7 +76,7 @@ def _random_trees(n: int, seed: int):
 
 
 @pytest.mark.parametrize("max_rows", [1, 5, 12, 1000])
-def test_child_probs_chunked_matches_whole(max_rows):
+def test_child_draws_chunked_match_whole(max_rows):
     trees, drafts = _random_trees(9, seed=max_rows)
     sampled = [0, 2, 3, 5, 6, 8]
     counts = {i: len(drafts[i]) + 1 for i in sampled}
@@ -95,7 +95,8 @@ def test_child_probs_chunked_matches_whole(max_rows):
         seen.append((sum(counts[i] for i in reqs), len(reqs)))
         return torch.cat([probs[base[i]: base[i] + counts[i]] for i in reqs])
 
-    out = child_probs_chunked(trees, drafts, sampled, counts, probs_of, gens(), max_rows)
+    out = child_draws_chunked(trees, drafts, sampled, counts, probs_of, gens(),
+                              max_rows).on_host()
     assert out.u == ref.u  # the same draws, exactly
     assert out.p.keys() == ref.p.keys()
     for i in ref.p:

@@ -26,7 +26,7 @@ rows); ``choose_paths`` then walks the trees on the host, and
 accept of each chosen path. ``q`` is kept sparse (children ids and
 probabilities) until ``draft_probs_tensor`` writes vLLM's dense
 ``[path tokens, vocab]`` draft-probability input with one scatter.
-``child_probs_chunked`` makes the sampled rows' probabilities a chunk of
+``child_draws_chunked`` makes the sampled rows' probabilities a chunk of
 whole requests at a time, so no ``[all tree rows, vocab]`` tensor exists.
 """
 
@@ -169,24 +169,6 @@ def child_probs(
     return ChildDraws(values, sampled, parents).on_host()
 
 
-def child_probs_chunked(
-    trees: dict[int, DraftTree],
-    drafts: list[list[int]],
-    sampled: list[int],
-    row_counts: dict[int, int],
-    probs_of: Callable[[list[int]], torch.Tensor],
-    generators: dict[int, torch.Generator],
-    max_rows: int,
-) -> ChildProbs:
-    """``child_probs`` with the probabilities made a chunk of whole requests
-    at a time: ``probs_of(requests)`` gives those requests' rows
-    (``row_counts[i]`` each, in order), at most ``max_rows`` rows a chunk
-    unless one request has more. Only the gathered children outlive a
-    chunk; still one device->host copy, the same draws, the same result."""
-    return child_draws_chunked(trees, drafts, sampled, row_counts, probs_of, generators,
-                               max_rows).on_host()
-
-
 def child_draws_chunked(
     trees: dict[int, DraftTree],
     drafts: list[list[int]],
@@ -196,7 +178,12 @@ def child_draws_chunked(
     generators: dict[int, torch.Generator],
     max_rows: int,
 ) -> ChildDraws:
-    """``child_probs_chunked`` left on the device (``ChildDraws``)."""
+    """``child_probs``' draws, left on the device (``ChildDraws``), with the
+    probabilities made a chunk of whole requests at a time:
+    ``probs_of(requests)`` gives those requests' rows (``row_counts[i]``
+    each, in order), at most ``max_rows`` rows a chunk unless one request
+    has more. Only the gathered children outlive a chunk; the same draws,
+    the same result."""
     parents, gathered, device = {}, [], None
     for group in request_chunks([row_counts[i] for i in sampled], max_rows):
         reqs = [sampled[g] for g in group]

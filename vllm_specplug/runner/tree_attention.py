@@ -89,7 +89,7 @@ class TreeStep:
     _gpu: dict | None = None
     """The GPU kernel's per-step inputs, built on the first layer, reused by
     the others (one host->device copy per step, not per layer)."""
-    _cpu_meta: dict = field(default_factory=dict)
+    _compact: dict = field(default_factory=dict)
     """id(attention metadata) -> (metadata, its compacted copy or None): see
     ``compact_cpu_metadata`` and ``compact_triton_metadata``; built on the
     first layer, reused by the others."""
@@ -98,22 +98,14 @@ class TreeStep:
     what ``compact_triton_metadata`` rebuilds the request boundaries from
     without reading the device."""
 
-    def cpu_metadata(self, meta, impl, isa: str, dtype: torch.dtype):
+    def compacted(self, meta, build):
+        """``build()`` (the backend's metadata with the nodes taken out, or
+        None) for this ``meta``, made once per step."""
         key = id(meta)
-        hit = self._cpu_meta.get(key)
+        hit = self._compact.get(key)
         if hit is None or hit[0] is not meta:
-            hit = (meta, compact_cpu_metadata(meta, self.rows, impl, isa, dtype))
-            self._cpu_meta[key] = hit
-        return hit[1]
-
-    def gpu_metadata(self, meta):
-        """TRITON_ATTN's metadata with the nodes taken out (or None), built
-        on the first layer, reused by the others."""
-        key = id(meta)
-        hit = self._cpu_meta.get(key)
-        if hit is None or hit[0] is not meta:
-            hit = (meta, compact_triton_metadata(meta, self.rows, self.query_start_loc))
-            self._cpu_meta[key] = hit
+            hit = (meta, build())
+            self._compact[key] = hit
         return hit[1]
 
     def gpu_inputs(self, device) -> dict:
@@ -121,21 +113,20 @@ class TreeStep:
             from vllm_specplug.kernels.tree_attention import pack_tree_mask
 
             n = np.asarray([r.num_nodes for r in self.rows], dtype=np.int64)
-            qsl = np.zeros(len(self.rows) + 1, dtype=np.int32)
+            qsl = np.zeros(len(self.rows) + 1, dtype=np.int64)
             qsl[1:] = np.cumsum(n)
             rows = np.concatenate([np.arange(r.row_start + 1, r.row_start + 1 + r.num_nodes)
                                    for r in self.rows])
             masks = torch.cat([pack_tree_mask(r.mask[:, 1:].cpu()) for r in self.rows])
             seq_lens = [r.context_len + 1 + r.num_nodes for r in self.rows]
-
-            def dev(x, dtype):
-                return to_device(x, dtype, device)
-
-            self._gpu = dict(
-                rows=dev(rows, torch.long), qsl=dev(qsl, torch.int32),
-                seq_lens=dev(seq_lens, torch.int32), tree_mask=dev(masks, torch.int64),
-                req=dev([r.req_index for r in self.rows], torch.long),
-            )
+            req = [r.req_index for r in self.rows]
+            parts = [rows, qsl, seq_lens, masks.numpy(), req]
+            # one upload of every input as int64, split on the device
+            up = to_device(np.concatenate(parts), torch.long, device)
+            at = np.cumsum([0] + [len(x) for x in parts])
+            rows_t, qsl_t, seq_t, mask_t, req_t = (up[a:b] for a, b in zip(at[:-1], at[1:]))
+            self._gpu = dict(rows=rows_t, qsl=qsl_t.to(torch.int32),
+                             seq_lens=seq_t.to(torch.int32), tree_mask=mask_t, req=req_t)
         return self._gpu
 
 
@@ -197,10 +188,13 @@ class TreeAttentionWrapper:
         gpu = kv_cache.is_cuda if self.gpu is None else self.gpu
         # the backend skips the nodes recomputed below where it can
         if gpu:
-            meta = step.gpu_metadata(attn_metadata) or attn_metadata
+            meta = step.compacted(attn_metadata, lambda: compact_triton_metadata(
+                attn_metadata, step.rows, step.query_start_loc))
         else:
-            meta = step.cpu_metadata(attn_metadata, self.impl, getattr(layer, "isa", "vec"),
-                                     query.dtype) or attn_metadata
+            meta = step.compacted(attn_metadata, lambda: compact_cpu_metadata(
+                attn_metadata, step.rows, self.impl, getattr(layer, "isa", "vec"),
+                query.dtype))
+        meta = meta or attn_metadata
         out = self.inner(layer, query, key, value, kv_cache, meta, output, *args, **kwargs)
         compacted = meta is not attn_metadata
         step.caches[self.layer_name] = (layer, kv_cache)
