@@ -119,6 +119,11 @@ METHOD_RUNS = (
     Run("auto_head_feed_rag_b1.json", "`auto`'s head feed counted: RAG",
         "The same three arms on RAG. In the first pass the head was asked 45 times against "
         "273 and fed 786 rows against 6560."),
+    Run("auto_head_feed_qa_tr_math_b1.json",
+        "`auto`'s head feed counted: QA, translation, math reasoning",
+        "The same three arms on short prompts, where the head pays, in one run. In the "
+        "first pass the head was asked 223, 105 and 291 times (against 183, 98 and 236 with "
+        "the feed uncounted). Math reasoning is held out: nothing was tuned on it."),
     Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
         "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
         "beside `auto` whose cold gate explores every step for its first 16 verdicts instead "
