@@ -27,6 +27,15 @@ def to_device(x, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor
     return t.to(device, non_blocking=True)
 
 
+def to_device_parts(parts, device: torch.device | str) -> list[torch.Tensor]:
+    """Each of ``parts`` (integer lists or arrays) as an int64 tensor on
+    ``device``, from one upload split on the device."""
+    up = to_device(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]),
+                   torch.long, device)
+    at = np.cumsum([0] + [len(p) for p in parts])
+    return [up[a:b] for a, b in zip(at[:-1], at[1:])]
+
+
 def read_back(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     """Host copies of ``tensors`` (None stays None), in one device->host
     copy. Tensors already on the host are returned as they are."""

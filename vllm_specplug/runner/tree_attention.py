@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from vllm_specplug.engine.transfer import to_device
+from vllm_specplug.engine.transfer import to_device, to_device_parts
 from vllm_specplug.kernels.cache_layout import cpu_split_cache, gpu_split_cache, slot_views
 
 
@@ -120,11 +120,8 @@ class TreeStep:
             masks = torch.cat([pack_tree_mask(r.mask[:, 1:].cpu()) for r in self.rows])
             seq_lens = [r.context_len + 1 + r.num_nodes for r in self.rows]
             req = [r.req_index for r in self.rows]
-            parts = [rows, qsl, seq_lens, masks.numpy(), req]
-            # one upload of every input as int64, split on the device
-            up = to_device(np.concatenate(parts), torch.long, device)
-            at = np.cumsum([0] + [len(x) for x in parts])
-            rows_t, qsl_t, seq_t, mask_t, req_t = (up[a:b] for a, b in zip(at[:-1], at[1:]))
+            rows_t, qsl_t, seq_t, mask_t, req_t = to_device_parts(
+                [rows, qsl, seq_lens, masks.numpy(), req], device)
             self._gpu = dict(rows=rows_t, qsl=qsl_t.to(torch.int32),
                              seq_lens=seq_t.to(torch.int32), tree_mask=mask_t, req=req_t)
         return self._gpu
@@ -312,14 +309,11 @@ def compact_triton_metadata(meta, rows: list[TreeRow], query_start_loc):
         fixed += [len(src), len(src) + 1]
         fixed_len += [r.context_len + 1, n]  # ends at its root; the nodes' own
         src += [i, i]
-    dev = meta.seq_lens.device
-    up = to_device(np.asarray(new_qsl + src + fixed + fixed_len, dtype=np.int64),
-                   torch.long, dev)  # one upload
-    a, b, c = len(new_qsl), len(new_qsl) + len(src), len(new_qsl) + len(src) + len(fixed)
-    src_t = up[a:b]
+    qsl_t, src_t, fixed_t, fixed_len_t = to_device_parts(
+        [new_qsl, src, fixed, fixed_len], meta.seq_lens.device)
     seq = meta.seq_lens.index_select(0, src_t)
-    seq[up[b:c]] = up[c:].to(seq.dtype)
-    return replace(meta, query_start_loc=up[:a].to(meta.query_start_loc.dtype),
+    seq[fixed_t] = fixed_len_t.to(seq.dtype)
+    return replace(meta, query_start_loc=qsl_t.to(meta.query_start_loc.dtype),
                    seq_lens=seq, block_table=meta.block_table.index_select(0, src_t),
                    max_query_len=int(np.diff(new_qsl).max()))
 
