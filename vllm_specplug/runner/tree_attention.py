@@ -207,6 +207,38 @@ class TreeAttentionWrapper:
         return out
 
 
+def split_tree_requests(qsl: list[int], rows: list[TreeRow]
+                        ) -> tuple[list[int], list[int], dict[int, int]] | None:
+    """The batch's request boundaries with every tree's nodes taken out of
+    their request and made a request of their own, which both backends'
+    compaction builds on (``compact_cpu_metadata``,
+    ``compact_triton_metadata``).
+
+    Returns the new boundaries, the old request each new one reads its
+    blocks from, and the sequence length of every new request whose length
+    is not its old request's (a tree request ends at its root; its nodes
+    attend to the first ``num_nodes`` slots of the same blocks). None when
+    there is no tree, or a tree's nodes do not end its request (not the
+    layout the runner built)."""
+    trees = {r.req_index: r for r in rows}
+    if not trees:
+        return None
+    new_qsl, src, own_len = [0], [], {}
+    for i in range(len(qsl) - 1):
+        r = trees.get(i)
+        if r is None:
+            new_qsl.append(qsl[i + 1])
+            src.append(i)
+            continue
+        first, n = r.row_start + 1, r.num_nodes  # every node is recomputed
+        if first + n != qsl[i + 1]:
+            return None
+        new_qsl += [first, first + n]
+        own_len[len(src)], own_len[len(src) + 1] = r.context_len + 1, n
+        src += [i, i]
+    return new_qsl, src, own_len
+
+
 def compact_cpu_metadata(meta, rows: list[TreeRow], impl, isa: str, dtype: torch.dtype):
     """vLLM's CPU attention metadata with the tree nodes taken out of their
     requests (None when it cannot be done safely: the backend then attends
@@ -234,30 +266,18 @@ def compact_cpu_metadata(meta, rows: list[TreeRow], impl, isa: str, dtype: torch
     if (getattr(meta, "dynamic_causal", None) is not None or not getattr(meta, "causal", False)
             or getattr(meta, "use_sdpa_prefill", False) or meta.encoder_cache is not None):
         return None
-    qsl = meta.query_start_loc.tolist()
     seq = meta.seq_lens.tolist()
-    n_req = len(seq)
-    trees = {r.req_index: r for r in rows}
-    if not trees:
+    if any(seq[r.req_index] != r.context_len + 1 + r.num_nodes for r in rows):
+        return None  # not the layout the runner built: leave it alone
+    split = split_tree_requests(meta.query_start_loc.tolist(), rows)
+    if split is None:
         return None
-    new_qsl, new_seq, block_rows = [0], [], []
-    for i in range(n_req):
-        r = trees.get(i)
-        if r is None:
-            new_qsl.append(qsl[i + 1])
-            new_seq.append(seq[i])
-            block_rows.append(i)
-            continue
-        first, n = r.row_start + 1, r.num_nodes  # every node is recomputed
-        if first + n != qsl[i + 1] or seq[i] != r.context_len + 1 + n:
-            return None  # not the layout the runner built: leave it alone
-        new_qsl += [first, first + n]
-        new_seq += [seq[i] - n, n]
-        block_rows += [i, i]
+    new_qsl, src, own_len = split
+    new_seq = [own_len.get(j, seq[i]) for j, i in enumerate(src)]
     qsl_t = torch.tensor(new_qsl, dtype=meta.query_start_loc.dtype)
     seq_t = torch.tensor(new_seq, dtype=meta.seq_lens.dtype)
     blocks = meta.block_table.index_select(
-        0, torch.tensor(block_rows, dtype=torch.long, device=meta.block_table.device))
+        0, torch.tensor(src, dtype=torch.long, device=meta.block_table.device))
     sched = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(new_seq), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
         head_dim=impl.head_size, seq_lens=seq_t, dtype=dtype,
@@ -294,21 +314,11 @@ def compact_triton_metadata(meta, rows: list[TreeRow], query_start_loc):
     n_req = len(qsl) - 1
     if meta.query_start_loc.shape[0] != n_req + 1 or meta.seq_lens.shape[0] != n_req:
         return None  # padded requests: not the layout the runner built
-    trees = {r.req_index: r for r in rows}
-    new_qsl, src, fixed, fixed_len = [0], [], [], []
-    for i in range(n_req):
-        r = trees.get(i)
-        if r is None:
-            new_qsl.append(qsl[i + 1])
-            src.append(i)
-            continue
-        first, n = r.row_start + 1, r.num_nodes
-        if first + n != qsl[i + 1]:
-            return None
-        new_qsl += [first, first + n]
-        fixed += [len(src), len(src) + 1]
-        fixed_len += [r.context_len + 1, n]  # ends at its root; the nodes' own
-        src += [i, i]
+    split = split_tree_requests(qsl, rows)
+    if split is None:
+        return None
+    new_qsl, src, own_len = split
+    fixed, fixed_len = list(own_len), list(own_len.values())
     qsl_t, src_t, fixed_t, fixed_len_t = to_device_parts(
         [new_qsl, src, fixed, fixed_len], meta.seq_lens.device)
     seq = meta.seq_lens.index_select(0, src_t)
