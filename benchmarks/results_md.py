@@ -21,7 +21,7 @@ from benchmarks.report import record_draft_rate, record_tau, run_mode
 
 COMMAND = "python -m benchmarks.report"
 BLOCK = re.compile(r"(<!-- BEGIN generated: benchmarks\.report "
-                   r"(summary|isolation|auto|method ([\w@.-]+)) -->\n)"
+                   r"(summary|isolation|auto|versus|method ([\w@.-]+)) -->\n)"
                    r"(.*?)(<!-- END generated -->)", re.S)
 SPEEDUP_NOTE = (
     "Speedups are against stock vLLM plain decoding (`none`). The specplug engines also "
@@ -406,14 +406,16 @@ def results_md() -> str:
            "- **identical**: every output token-identical to plain decoding's.",
            "- Plain decoding (`none`) is the reference of every table: tau 1.00, speedup 1.00x.",
            ""]
-    out += ["## Contents", ""] + [
-        f"- {r.title}" for r in (*headline_runs(), *C.METHOD_RUNS)] + [
+    out += ["## Contents", ""] + ["- Against vLLM's built-ins"] + [
+        f"- {r.title}" for r in (*headline_runs(), *C.HELD_OUT, *C.METHOD_RUNS)] + [
         "- Cost of one verification step", "- Soak runs", "- Tenant isolation and acceptance",
         "- GPU kernel check", "- Study outputs", ""]
+    out += ["## Against vLLM's built-ins", "",
+            versus_block(None), ""]
     for parts in C.ALL_METHODS.values():
         for run in parts:
             out += run_section(run)
-    for run in C.METHOD_RUNS:
+    for run in (*C.HELD_OUT, *C.METHOD_RUNS):
         out += run_section(run)
     out += (verify_cost_section() + soak_section() + isolation_section()
             + gpu_kernel_section())
@@ -437,12 +439,14 @@ def reruns(run: C.Run, doc: dict) -> tuple[tuple[str, str], ...]:
     return run.reruns
 
 
-def best_cells(batch: int) -> dict[tuple[str, str], tuple[dict, bool]]:
+def best_cells(batch: int, runs: tuple[C.Run, ...] | None = None
+               ) -> dict[tuple[str, str], tuple[dict, bool]]:
     """(method, suite) -> (record, re-measured) of the all-methods runs at
-    ``batch`` (one run, or whole runs over disjoint suites); a first-format
-    re-run's record replaces the run's for the cells it has."""
+    ``batch`` (one run, or whole runs over disjoint suites; ``runs``: other
+    runs than the headline ones); a first-format re-run's record replaces
+    the run's for the cells it has."""
     cells: dict[tuple[str, str], tuple[dict, bool]] = {}
-    for run in C.ALL_METHODS[batch]:
+    for run in C.ALL_METHODS[batch] if runs is None else runs:
         doc = C.load(run.file)
         mine = {(r["method"], r["suite"]): (r, False)
                 for r in doc["records"] if r["batch_size"] == batch}
@@ -587,6 +591,47 @@ def auto_block(link: str) -> str:
     return "\n".join(lines)
 
 
+def _leader(cells: dict, suite: str, kind: str) -> tuple[str, dict] | None:
+    """The method of ``kind`` (``specplug`` or ``vllm``) with the highest
+    speculation speedup on ``suite`` (name, record); the plugin's engine
+    drafting nothing and the test method are not contenders."""
+    scored = [(r["speculation_speedup"], m, r) for (m, s), (r, _) in cells.items()
+              if s == suite and _ok(r) and r["method_kind"] == kind
+              and m.split("@")[0] not in AUTO_LEAVES_OUT - {"auto"}
+              and r.get("speculation_speedup") is not None]
+    if not scored:
+        return None
+    _, name, rec = max(scored, key=lambda x: x[0])
+    return name, rec
+
+
+def versus_block(link: str | None) -> str:
+    """Per suite and batch size, the best specplug method against the best
+    of vLLM's built-ins on speculation speedup (each against its own
+    engine drafting nothing), the headline runs and the held-out ones."""
+    groups = [(b, "", best_cells(b)) for b in sorted(C.ALL_METHODS)]
+    if C.HELD_OUT:
+        groups.append((1, " (held out)", best_cells(1, C.HELD_OUT)))
+    lines = ["| batch | suite | best specplug: speculation speedup (tau) | best built-in: "
+             "speculation speedup (tau) | ratio |", "|---" * 5 + "|"]
+    for batch, note, cells in groups:
+        for suite in dict.fromkeys(s for _, s in cells):
+            mine, theirs = _leader(cells, suite, "specplug"), _leader(cells, suite, "vllm")
+            row = [str(batch), suite + note]
+            for lead in (mine, theirs):
+                row.append("–" if lead is None else
+                           f"{lead[0]} {lead[1]['speculation_speedup']:.2f}x "
+                           f"({_f(record_tau(lead[1]))})")
+            row.append("–" if mine is None or theirs is None else
+                       f"{mine[1]['speculation_speedup'] / theirs[1]['speculation_speedup']:.2f}")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Ratio: the best specplug method's speculation speedup over the best "
+              "built-in's on the same suite and batch size; medians of each cell's passes. "
+              + SPECULATION_NOTE
+              + (f" Runs, machine and commands: [RESULTS.md]({link})." if link else "")]
+    return "\n".join(lines)
+
+
 def fill_blocks(text: str, path: Path) -> str:
     """``text`` of the file at ``path`` with every generated block re-rendered."""
     link = _rel(C.RESULTS_MD, path)
@@ -597,6 +642,8 @@ def fill_blocks(text: str, path: Path) -> str:
             body = summary_block(link)
         elif kind == "auto":
             body = auto_block(link)
+        elif kind == "versus":
+            body = versus_block(link)
         elif kind == "isolation":
             body = "\n".join(isolation_table() + ["", f"Runs, machine and commands: [RESULTS.md]({link})."])
         else:

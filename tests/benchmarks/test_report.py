@@ -127,3 +127,24 @@ def test_auto_is_held_against_the_best_single_method_per_suite(monkeypatch):
     assert lines[2] == "| 1 | s | 2.20 | reader (2.00) | 1.10 | 1.33 | pld (1.40) | 0.95 |"
     docs["a.json"]["records"] = records[:-1]
     assert results_md.auto_block("R.md").startswith("`auto` is not in the all-methods runs")
+
+
+def test_the_best_specplug_method_is_held_against_the_best_built_in(monkeypatch):
+    monkeypatch.setattr(canonical, "ALL_METHODS", {1: (canonical.Run("a.json", "t", ""),)})
+    monkeypatch.setattr(canonical, "HELD_OUT", (canonical.Run("h.json", "held", ""),))
+    records = [_v2("none", "baseline", tau=1.0),
+               _v2("plain", "specplug", tau=1.0, speculation_speedup=1.25),  # not a contender
+               _v2("ngram", "vllm", tau=2.4, speculation_speedup=2.0),
+               _v2("suffix", "vllm", tau=2.2, speculation_speedup=1.6),
+               _v2("pld", "specplug", tau=2.3, speculation_speedup=1.8),
+               _v2("auto", "specplug", tau=3.1, speculation_speedup=1.7)]
+    held = [_v2("ngram", "vllm", suite="edit", tau=4.0, speculation_speedup=2.5),
+            _v2("auto", "specplug", suite="edit", tau=5.0, speculation_speedup=3.0)]
+    docs = {"a.json": {"schema_version": 2, "records": records},
+            "h.json": {"schema_version": 2, "records": held}}
+    monkeypatch.setattr(canonical, "load", docs.__getitem__)
+    lines = results_md.versus_block("R.md").splitlines()
+    assert lines[2] == "| 1 | s | pld 1.80x (2.30) | ngram 2.00x (2.40) | 0.90 |"
+    assert lines[3] == "| 1 | edit (held out) | auto 3.00x (5.00) | ngram 2.50x (4.00) | 1.20 |"
+    assert lines[-1].endswith("[RESULTS.md](R.md).")
+    assert "RESULTS.md" not in results_md.versus_block(None).splitlines()[-1]
