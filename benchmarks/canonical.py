@@ -80,7 +80,12 @@ ALL_METHODS: dict[int, tuple[Run, ...]] = {
 # Held-out kinds of work (docs/benchmarks.md, "Held-out work"): suites built
 # here and never tuned on, every method at batch 1 under the same protocol,
 # one whole run per suite.
-HELD_OUT: tuple[Run, ...] = ()
+HELD_OUT: tuple[Run, ...] = (
+    Run("all_methods_b1_held_out_code_edit.json", "Every method, batch 1, held out: code editing",
+        "The batch-1 run on `code_edit` (a standard-library function with a small change to "
+        "make; `vllm_specplug/local_suites.py`), measured like the math run above. Nothing "
+        "was tuned on it."),
+)
 
 SHARED_MACHINE = (" Tau is the figure here: this run shared the machine with another, one core each, "
                   "so the speedups are not a speed comparison.")
