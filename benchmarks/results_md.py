@@ -550,12 +550,18 @@ AUTO_LEAVES_OUT = {"auto", "plain", "oracle"}
 drafting nothing, the test method)."""
 
 
-def _best_single(cells: dict, suite: str, figure) -> tuple[str, float] | None:
-    """The single specplug method with the highest ``figure(record)`` on
-    ``suite`` (name, value)."""
+def _speculation(rec: dict) -> float | None:
+    return rec.get("speculation_speedup")
+
+
+def _best_single(cells: dict, suite: str, figure, kind: str = "specplug",
+                 leave_out: set[str] = AUTO_LEAVES_OUT) -> tuple[str, float] | None:
+    """The method of ``kind`` (``specplug`` or ``vllm``), none of
+    ``leave_out``, with the highest ``figure(record)`` on ``suite`` (name,
+    value)."""
     scored = [(figure(r), m) for (m, s), (r, _) in cells.items()
-              if s == suite and m.split("@")[0] not in AUTO_LEAVES_OUT and _ok(r)
-              and r["method_kind"] == "specplug" and figure(r) is not None]
+              if s == suite and m.split("@")[0] not in leave_out and _ok(r)
+              and r["method_kind"] == kind and figure(r) is not None]
     if not scored:
         return None
     value, name = max(scored)
@@ -578,7 +584,7 @@ def auto_block(link: str) -> str:
             if not _ok(rec):
                 lines.append("| " + " | ".join(row + ["–"] * 6) + " |")
                 continue
-            for figure in (record_tau, lambda r: r.get("speculation_speedup")):
+            for figure in (record_tau, _speculation):
                 mine, best = figure(rec), _best_single(cells[b], s, figure)
                 row.append(_f(mine))
                 row.append("–" if best is None else f"{best[0]} ({best[1]:.2f})")
@@ -589,20 +595,6 @@ def auto_block(link: str) -> str:
               "have different leaders). " + SPECULATION_NOTE
               + f" Runs, machine and commands: [RESULTS.md]({link})."]
     return "\n".join(lines)
-
-
-def _leader(cells: dict, suite: str, kind: str) -> tuple[str, dict] | None:
-    """The method of ``kind`` (``specplug`` or ``vllm``) with the highest
-    speculation speedup on ``suite`` (name, record); the plugin's engine
-    drafting nothing and the test method are not contenders."""
-    scored = [(r["speculation_speedup"], m, r) for (m, s), (r, _) in cells.items()
-              if s == suite and _ok(r) and r["method_kind"] == kind
-              and m.split("@")[0] not in AUTO_LEAVES_OUT - {"auto"}
-              and r.get("speculation_speedup") is not None]
-    if not scored:
-        return None
-    _, name, rec = max(scored, key=lambda x: x[0])
-    return name, rec
 
 
 def versus_block(link: str | None) -> str:
@@ -616,14 +608,14 @@ def versus_block(link: str | None) -> str:
              "speculation speedup (tau) | ratio |", "|---" * 5 + "|"]
     for batch, note, cells in groups:
         for suite in dict.fromkeys(s for _, s in cells):
-            mine, theirs = _leader(cells, suite, "specplug"), _leader(cells, suite, "vllm")
+            # the plugin's engine drafting nothing and the test method do not contend
+            mine, theirs = (_best_single(cells, suite, _speculation, kind, {"plain", "oracle"})
+                            for kind in ("specplug", "vllm"))
             row = [str(batch), suite + note]
             for lead in (mine, theirs):
-                row.append("–" if lead is None else
-                           f"{lead[0]} {lead[1]['speculation_speedup']:.2f}x "
-                           f"({_f(record_tau(lead[1]))})")
-            row.append("–" if mine is None or theirs is None else
-                       f"{mine[1]['speculation_speedup'] / theirs[1]['speculation_speedup']:.2f}")
+                row.append("–" if lead is None else f"{lead[0]} {lead[1]:.2f}x "
+                           f"({_f(record_tau(cells[(lead[0], suite)][0]))})")
+            row.append("–" if mine is None or theirs is None else f"{mine[1] / theirs[1]:.2f}")
             lines.append("| " + " | ".join(row) + " |")
     lines += ["", "Ratio: the best specplug method's speculation speedup over the best "
               "built-in's on the same suite and batch size; medians of each cell's passes. "
