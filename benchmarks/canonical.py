@@ -77,7 +77,7 @@ ALL_METHODS: dict[int, tuple[Run, ...]] = {
         ),
 }
 
-# Held-out kinds of work (docs/benchmarks.md, "Held-out work"): suites built
+# Held-out kinds of work (docs/benchmarks.md, "Held-out work, and the built-ins"): suites built
 # here and never tuned on, every method at batch 1 under the same protocol,
 # one whole run per suite.
 HELD_OUT: tuple[Run, ...] = (
