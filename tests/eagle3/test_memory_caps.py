@@ -152,6 +152,24 @@ def test_held_rows_of_all_requests_stay_under_max_total_held_mib():
     assert prop.held_bytes == 0
 
 
+
+def test_held_bytes_follow_a_gated_request_step_by_step():
+    # a prompt held, then decode steps whose gate stays closed (budget 0):
+    # each adds a chunk of one row; the count is what the held tensors take
+    prop = _proposer(max_total_held_mib=None)
+    toks, aux = _rows(40, 7)
+    prop.propose([_gated_prompt("a", 30, 7)])
+    for pos in range(30, 40):
+        prop.propose([StepRequest(req_id="a", token_ids=toks[:pos + 2], num_prompt_tokens=30,
+                                  sampled=True, verified_pos=pos,
+                                  aux_hidden=aux[pos:pos + 1], budget=0)])
+        held = prop._deferred["a"][1]
+        assert prop.held_bytes == sum(c.nbytes for c in held) == (pos + 1) * HELD_ROW
+    assert _fed(prop, "a") == 0
+    prop.remove_request("a")
+    assert prop.held_bytes == 0
+
+
 def test_memory_gauges_report_the_structures():
     prop = _proposer(max_total_held_mib=None)
     prop.propose([_gated_prompt("a", 200, 1)])

@@ -219,7 +219,7 @@ class Eagle3Drafter(Proposer):
         """Take the request's held rows out of the bookkeeping."""
         held = self._deferred.pop(req_id, None)
         if held is not None:
-            self.held_bytes -= _nbytes(held[1])
+            self.held_bytes -= _nbytes(held[1], held[2])
         return held
 
     def _may_hold(self, chunks: list[torch.Tensor], n_rows: int) -> bool:
@@ -227,7 +227,8 @@ class Eagle3Drafter(Proposer):
         requests'); past the second the cap is counted and logged once."""
         if n_rows > self.max_held_rows:
             return False
-        if self.max_held_bytes is None or self.held_bytes + _nbytes(chunks) <= self.max_held_bytes:
+        if (self.max_held_bytes is None
+                or self.held_bytes + _nbytes(chunks, n_rows) <= self.max_held_bytes):
             return True
         self.held_fed_at_cap += 1
         if not self._held_cap_logged:
@@ -290,7 +291,7 @@ class Eagle3Drafter(Proposer):
                 # the view would keep every request's rows of the step alive.
                 chunks[-1] = chunks[-1].clone()
                 self._deferred[r.req_id] = (pos, chunks, n_rows)
-                self.held_bytes += _nbytes(chunks)
+                self.held_bytes += _nbytes(chunks, n_rows)
                 continue
             aux = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             items.append((r.req_id, pos, r.token_ids, aux))
@@ -348,5 +349,10 @@ class Eagle3Drafter(Proposer):
                 "head_passes_per_step": counters.get("draft_head_passes", 0) / steps}
 
 
-def _nbytes(chunks: list[torch.Tensor]) -> int:
-    return sum(c.numel() * c.element_size() for c in chunks)
+def _nbytes(chunks: list[torch.Tensor], n_rows: int) -> int:
+    """What ``n_rows`` held rows take (``chunks``: rows of one width and
+    dtype). From the row count, not a walk over the chunks: a gated request
+    gains a chunk a step, and summing them every step made a long gated
+    request's step cost grow with its length."""
+    last = chunks[-1]
+    return n_rows * last.shape[-1] * last.element_size()
