@@ -170,6 +170,17 @@ VERIFY_COST = (
 
 SOAK_GLOB = "soak_*.json"
 
+# Serving sweeps (benchmarks.serve_sweep): one `vllm serve` per method, driven
+# by vLLM's own `vllm bench serve` at each load point (docs/serving.md,
+# "Serving under load"); one whole sweep per file.
+SERVING: tuple[Run, ...] = (
+    Run("serve_sweep_specbench_greedy.json", "Serving under load: Spec-Bench, greedy",
+        "Plain decoding, the plugin's engine drafting nothing (`plain`), vLLM's `ngram` and "
+        "`suffix`, and the specplug methods that lead the offline runs, each in its own "
+        "`vllm serve`, at 1 to 32 concurrent streams and two Poisson request rates. Each "
+        "load point is measured once (its own prompts, the same for every method)."),
+)
+
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
 GPU_KERNEL_CHECK = "gpu_kernel_check_h200.json"
 # Its tile sizes against verification-step shapes (benchmarks.studies.gpu_tree_tiles).
@@ -199,4 +210,5 @@ def files() -> list[str]:
     names += [f for r in headline for f, _ in r.reruns]
     names += [r.file for r in METHOD_RUNS] + [f for f, _ in VERIFY_COST]
     names += [f for f, _, _ in STUDY_OUTPUTS] + [ISOLATION, GPU_KERNEL_CHECK, GPU_TREE_TILES]
+    names += [r.file for r in SERVING]
     return names + sorted(p.name for p in RESULTS_DIR.glob(SOAK_GLOB))

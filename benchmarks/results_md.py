@@ -3,7 +3,8 @@
 ``python -m benchmarks.report`` writes both; ``--check`` compares them. A
 generated block in README.md or docs/**/*.md is the text between
 
-    <!-- BEGIN generated: benchmarks.report summary -->  (or: method NAME, isolation, auto)
+    <!-- BEGIN generated: benchmarks.report summary -->
+    (or: method NAME, isolation, auto, versus, serving)
     <!-- END generated -->
 
 and only that text is replaced; everything else in the file stays byte for byte.
@@ -21,7 +22,7 @@ from benchmarks.report import record_draft_rate, record_tau, run_mode
 
 COMMAND = "python -m benchmarks.report"
 BLOCK = re.compile(r"(<!-- BEGIN generated: benchmarks\.report "
-                   r"(summary|isolation|auto|versus|method ([\w@.-]+)) -->\n)"
+                   r"(summary|isolation|auto|versus|serving|method ([\w@.-]+)) -->\n)"
                    r"(.*?)(<!-- END generated -->)", re.S)
 SPEEDUP_NOTE = (
     "Speedups are against stock vLLM plain decoding (`none`). The specplug engines also "
@@ -305,6 +306,106 @@ def isolation_section() -> list[str]:
             *isolation_table(), ""]
 
 
+# ------------------------------------------------------------- serving
+def _sweep_minutes(run: dict) -> str:
+    from datetime import datetime
+
+    if not run.get("finished"):
+        return "unfinished"
+    start, end = (datetime.strptime(run[k], "%Y-%m-%dT%H:%M:%SZ")
+                  for k in ("started", "finished"))
+    return f"{(end - start).total_seconds() / 60:.0f} min"
+
+
+def serving_plots(name: str) -> list[str]:
+    """The sweep's plots (``serve_report.plot_all`` writes them beside it)."""
+    return sorted(p.name for p in C.RESULTS_DIR.glob(Path(name).stem + "_*.png"))
+
+
+def serving_header(doc: dict, name: str) -> list[str]:
+    run, cfg = doc["run"], doc["run"]["config"]
+    plots = ", ".join(f"[`{p}`](results/{p})" for p in serving_plots(name)) or "none"
+    skipped = "; ".join(f"`{s['method']}` skipped: {s['reason']}" for s in doc.get("skipped", []))
+    failed = "; ".join(f"`{f['method']}` FAILED: {f['error'][-200:]}"
+                       for f in doc.get("failed", []))
+    return [
+        f"- File: [`{name}`](results/{name}); plots: {plots}; measured {run['started'][:10]}, "
+        f"{_sweep_minutes(run)}",
+        f"- Machine: {_machine(run.get('machine'))}",
+        f"- Commit: {_commit(run.get('git'))}; vLLM {run.get('vllm')}",
+        f"- Settings: {run['dtype']}, {'compiled' if run.get('compiled') else 'eager'}, "
+        f"`--max-num-seqs {cfg['max_num_seqs']}`, answers up to {cfg['output_len']} tokens, "
+        f"{cfg['prompts_per_stream']} prompts per stream (at least {cfg['min_prompts']}), "
+        f"Poisson points {cfg['rate_seconds']} s of arrivals"
+        + (f"; {skipped}" if skipped else "") + (f"; {failed}" if failed else ""),
+        "", "```bash", display_command(run["command"], name), "```", ""]
+
+
+def serving_section(run: C.Run) -> list[str]:
+    from benchmarks import serve_report as SR
+
+    doc = C.load(run.file)
+    kinds = {r["method"]: r.get("method_kind") for r in doc["records"]}
+    misses = SR.targets(doc, kinds)
+    out = [f"## {run.title}", "", run.about, ""] + serving_header(doc, run.file)
+    out += ["Against plain decoding (`none`):", "", SR.render_markdown(doc, "none")]
+    if "plain" in kinds:
+        out += ["Speculation apart from the CPU linear kernel (against `plain`, the plugin's "
+                "engine drafting nothing):", "", SR.render_markdown(doc, "plain")]
+    out += ["Targets (every specplug method at least 0.97x `none`'s output tokens/s and at "
+            "most 1.03x its p99 TPOT at every point; the best at least 1.3x `none` at one "
+            "stream and ahead of `suffix` and `ngram` at every concurrency): "
+            + ("all met." if not misses else f"{len(misses)} missed:"), ""]
+    return out + [f"- {m}" for m in misses] + [""]
+
+
+def _serving_cell(rec: dict | None, none: dict | None, plain: dict | None) -> str:
+    from benchmarks.serve_report import ratio
+
+    if rec is None:
+        return "–"
+    vs_none = ratio(rec, none, "output_throughput")
+    vs_plain = ratio(rec, plain, "output_throughput") if plain else None
+    text = "–" if vs_none is None else f"{vs_none:.2f}x"
+    return text + (f" ({vs_plain:.2f}x)" if vs_plain is not None and rec is not plain else "")
+
+
+def serving_block(link: str) -> str:
+    """Per canonical sweep, dataset and temperature: each method's output
+    tokens/s over plain decoding's at every load point, over the plugin's
+    engine drafting nothing in parentheses."""
+    from benchmarks import serve_report as SR
+
+    if not C.SERVING:
+        return f"No serving sweep yet; see [RESULTS.md]({link})."
+    lines = []
+    for run in C.SERVING:
+        doc = C.load(run.file)
+        kinds = {r["method"]: r.get("method_kind") for r in doc["records"]}
+        for (dataset, temp), recs in SR.groups(doc).items():
+            cols = list(dict.fromkeys((r["load"], r["value"]) for r in recs))
+            at = {(r["method"], r["load"], r["value"]): r for r in recs}
+            lines += [f"**{dataset}, temperature {temp:g}**", "",
+                      "| method | " + " | ".join(SR.load_label(*c) for c in cols) + " |",
+                      "|---|" + "---|" * len(cols)]
+            for m in dict.fromkeys(r["method"] for r in recs):
+                if m == SR.BASELINE:
+                    continue
+                cells = [_serving_cell(at.get((m, *c)), at.get((SR.BASELINE, *c)),
+                                       at.get(("plain", *c)) if kinds[m] == "specplug"
+                                       else None) for c in cols]
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
+            lines.append("")
+    lines += ["Output tokens/s over plain decoding's (`none`) at the same load point; for "
+              "specplug methods, over `plain` (the plugin's engine drafting nothing: "
+              "speculation apart from the CPU linear kernel) in parentheses. c: concurrent "
+              "streams; req/s: Poisson arrivals, where throughput follows the arrivals while "
+              "the server keeps up and latency (p99 TPOT) tells methods apart. "
+              "Latency, tau, machine and commands: "
+              f"[RESULTS.md]({link})."]
+    return "\n".join(lines)
+
+
 def _checks_line(checks: list[dict], kernel: str) -> str:
     rows = [c for c in checks if c["kernel"] == kernel]
     worst = {}
@@ -407,7 +508,7 @@ def results_md() -> str:
            "- Plain decoding (`none`) is the reference of every table: tau 1.00, speedup 1.00x.",
            ""]
     out += ["## Contents", ""] + ["- Against vLLM's built-ins"] + [
-        f"- {r.title}" for r in (*headline_runs(), *C.HELD_OUT, *C.METHOD_RUNS)] + [
+        f"- {r.title}" for r in (*headline_runs(), *C.HELD_OUT, *C.METHOD_RUNS, *C.SERVING)] + [
         "- Cost of one verification step", "- Soak runs", "- Tenant isolation and acceptance",
         "- GPU kernel check", "- Study outputs", ""]
     out += ["## Against vLLM's built-ins", "",
@@ -417,6 +518,8 @@ def results_md() -> str:
             out += run_section(run)
     for run in (*C.HELD_OUT, *C.METHOD_RUNS):
         out += run_section(run)
+    for run in C.SERVING:
+        out += serving_section(run)
     out += (verify_cost_section() + soak_section() + isolation_section()
             + gpu_kernel_section())
     out += ["## Study outputs", ""] + [
@@ -636,6 +739,8 @@ def fill_blocks(text: str, path: Path) -> str:
             body = auto_block(link)
         elif kind == "versus":
             body = versus_block(link)
+        elif kind == "serving":
+            body = serving_block(link)
         elif kind == "isolation":
             body = "\n".join(isolation_table() + ["", f"Runs, machine and commands: [RESULTS.md]({link})."])
         else:

@@ -123,20 +123,11 @@ def _total(metrics: dict[str, float], series: str) -> float:
 
 
 def spec_deltas(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Speculative figures of what happened between two scrapes.
-
-    ``tau``: tokens per verified draft (1 + accepted / drafts), vLLM's
-    acceptance length; ``tokens_per_pass``: generated tokens per target
-    pass of a request, drafted or not (each pass yields 1 + its accepted
-    tokens), which falls when drafting stops; ``draft_share``: passes that
-    verified a draft. ``specplug``: every ``specplug:`` counter that moved."""
+    """Speculative counters between two scrapes, with :func:`spec_figures`
+    over them. ``specplug``: every ``specplug:`` counter that moved."""
     d = {k: _total(after, s) - _total(before, s) for k, s in SPEC_SERIES.items()}
     out = {k: int(round(v)) for k, v in d.items()}
-    passes = d["generation_tokens"] - d["accepted_tokens"]
-    out["tau"] = 1 + d["accepted_tokens"] / d["drafts"] if d["drafts"] > 0 else None
-    out["tokens_per_pass"] = d["generation_tokens"] / passes if passes > 0 else None
-    out["draft_share"] = d["drafts"] / passes if passes > 0 else None
-    out["mean_tree_size"] = d["draft_tokens"] / d["drafts"] if d["drafts"] > 0 else None
+    out.update(spec_figures(out))
     out["specplug"] = {}
     for key, value in after.items():
         if key.startswith("specplug:") and "{" not in key and not key.endswith("_created"):
@@ -144,6 +135,22 @@ def spec_deltas(before: dict[str, float], after: dict[str, float]) -> dict:
             if step:
                 out["specplug"][key.removeprefix("specplug:").removesuffix("_total")] = step
     return out
+
+
+def spec_figures(counts: dict) -> dict:
+    """From a point's counters: ``tau``, tokens per target pass of a request
+    (generated / (generated - accepted): each pass yields 1 + its accepted
+    tokens, drafted or not, so it falls when drafting stops);
+    ``mean_accepted_length``, vLLM's 1 + accepted / drafts (it leaves out
+    the passes without a draft); ``draft_share``: passes that verified a
+    draft; ``mean_tree_size``: draft tokens per draft."""
+    generated, accepted, drafts = (counts[k] for k in ("generation_tokens", "accepted_tokens",
+                                                        "drafts"))
+    passes = generated - accepted
+    return {"tau": generated / passes if passes > 0 else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts > 0 else None,
+            "draft_share": drafts / passes if passes > 0 else None,
+            "mean_tree_size": counts["draft_tokens"] / drafts if drafts > 0 else None}
 
 
 def latency_figures(bench: dict) -> dict:

@@ -148,3 +148,46 @@ def test_the_best_specplug_method_is_held_against_the_best_built_in(monkeypatch)
     assert lines[3] == "| 1 | edit (held out) | auto 3.00x (5.00) | ngram 2.50x (4.00) | 1.20 |"
     assert lines[-1].endswith("[RESULTS.md](R.md).")
     assert "RESULTS.md" not in results_md.versus_block(None).splitlines()[-1]
+
+
+def _point(method: str, kind: str, value: float, tok_s: float, p99: float, tau=None) -> dict:
+    return {"method": method, "method_kind": kind, "dataset": "specbench", "temperature": 0.0,
+            "load": "concurrency", "value": value, "output_throughput": tok_s,
+            "tpot_ms": {"p50": p99 / 2, "p99": p99},
+            "spec": None if tau is None else {"tau": tau}}
+
+
+def test_a_serving_sweep_is_held_against_plain_decoding_and_the_plugins_plain_engine(
+        monkeypatch):
+    monkeypatch.setattr(canonical, "SERVING", (canonical.Run("s.json", "Sweep", "about"),))
+    records = [_point("none", "baseline", 1, 20.0, 40.0),
+               _point("none", "baseline", 8, 100.0, 80.0),
+               _point("plain", "specplug", 1, 25.0, 32.0),
+               _point("plain", "specplug", 8, 110.0, 75.0),
+               _point("suffix", "vllm", 1, 30.0, 30.0, 1.8),
+               _point("suffix", "vllm", 8, 98.0, 90.0, 1.6),
+               _point("pld", "specplug", 1, 35.0, 28.0, 2.0),
+               _point("pld", "specplug", 8, 95.0, 84.0, 1.5)]
+    run = {"command": "python -m benchmarks.serve_sweep --log-dir /tmp/x --out /tmp/s.json",
+           "started": "2026-01-01T10:00:00Z", "finished": "2026-01-01T10:42:00Z",
+           "model": "m", "dtype": "float32", "compiled": True, "vllm": "0.32.0",
+           "git": {"commit": "abcdef0123456", "dirty": False}, "machine": None,
+           "config": {"max_num_seqs": 64, "output_len": 128, "prompts_per_stream": 2,
+                      "min_prompts": 8, "rate_seconds": 60}}
+    monkeypatch.setattr(canonical, "load", {"s.json": {"run": run, "records": records,
+                                                       "skipped": [], "failed": []}}.__getitem__)
+    lines = results_md.serving_block("R.md").splitlines()
+    # output tok/s over none's, over plain's in parentheses for specplug methods only
+    assert lines[2] == "| method | c=1 | c=8 |"
+    assert lines[4] == "| plain | 1.25x | 1.10x |"
+    assert lines[5] == "| suffix | 1.50x | 0.98x |"
+    assert lines[6] == "| pld | 1.75x (1.40x) | 0.95x (0.86x) |"
+    text = "\n".join(results_md.serving_section(canonical.SERVING[0]))
+    assert "42 min" in text and "--log-dir" not in text
+    assert "--out benchmarks/results/s.json" in text
+    # pld at c=8: below 0.97x none's tok/s, above 1.03x its p99 TPOT, behind suffix;
+    # plain (drafting nothing) is never the best specplug method
+    assert "3 missed:" in text
+    assert "c=8 pld: output tok/s 0.95x none (< 0.97x)" in text
+    assert "c=8 pld: p99 TPOT 1.05x none (> 1.03x)" in text
+    assert "c=8: suffix 98.0 >= best specplug (pld) 95.0 tok/s" in text

@@ -98,9 +98,9 @@ def test_spec_deltas_from_two_scrapes():
     d = sp.spec_deltas(parse_metrics(BEFORE), parse_metrics(AFTER))
     assert (d["drafts"], d["draft_tokens"], d["accepted_tokens"], d["generation_tokens"]) == (
         40, 400, 60, 200)
-    assert d["tau"] == pytest.approx(1 + 60 / 40)
+    assert d["mean_accepted_length"] == pytest.approx(1 + 60 / 40)
     # 200 tokens from 140 passes (each pass: 1 + its accepted tokens), 40 drafted
-    assert d["tokens_per_pass"] == pytest.approx(200 / 140)
+    assert d["tau"] == pytest.approx(200 / 140)
     assert d["draft_share"] == pytest.approx(40 / 140)
     assert d["mean_tree_size"] == pytest.approx(10.0)
     assert d["specplug"] == {"trees": 40.0, "steps": 100.0}
@@ -108,7 +108,7 @@ def test_spec_deltas_from_two_scrapes():
 
 def test_spec_deltas_without_drafts():
     d = sp.spec_deltas(parse_metrics(BEFORE), parse_metrics(BEFORE))
-    assert d["drafts"] == 0 and d["tau"] is None and d["tokens_per_pass"] is None
+    assert d["drafts"] == 0 and d["tau"] is None and d["mean_accepted_length"] is None
     assert d["specplug"] == {}
 
 
