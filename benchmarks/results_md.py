@@ -345,8 +345,8 @@ def serving_section(run: C.Run) -> list[str]:
     from benchmarks import serve_report as SR
 
     doc = C.load(run.file)
-    kinds = {r["method"]: r.get("method_kind") for r in doc["records"]}
-    misses = SR.targets(doc, kinds)
+    kinds = SR.method_kinds(doc)
+    misses = SR.targets(doc)
     out = [f"## {run.title}", "", run.about, ""] + serving_header(doc, run.file)
     out += ["Against plain decoding (`none`):", "", SR.render_markdown(doc, "none")]
     if "plain" in kinds:
@@ -381,7 +381,7 @@ def serving_block(link: str) -> str:
     lines = []
     for run in C.SERVING:
         doc = C.load(run.file)
-        kinds = {r["method"]: r.get("method_kind") for r in doc["records"]}
+        kinds = SR.method_kinds(doc)
         for (dataset, temp), recs in SR.groups(doc).items():
             cols = list(dict.fromkeys((r["load"], r["value"]) for r in recs))
             at = {(r["method"], r["load"], r["value"]): r for r in recs}

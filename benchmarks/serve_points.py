@@ -188,15 +188,38 @@ def point_record(method: str, kind: str, point: Point, bench: dict, spec: dict |
 
 
 BUDGET_KEYS = ("steps", "chosen_nodes", "proposed_nodes", "zero_steps", "gated_steps",
-               "explore_steps")
+               "explore_steps", "gate_closings")
+GATE_KEYS = ("gate_log", "gate_verdicts", "draft_ms", "side_ms", "step_ms_by_rows")
+"""The budget's levels at a point's end: its last gate verdicts and the
+costs it judged them with (``BudgetController.as_dict``)."""
+ENGINE_KEYS = ("steps", "collect_seconds", "propose_seconds", "propose_calls")
+ENGINE_SOURCES = ("source_nodes", "source_accepted")
+
+
+def _delta(new, old):
+    return round(new - (old or 0), 6) if isinstance(new, (int, float)) else None
 
 
 def budget_deltas(before: dict | None, after: dict | None) -> dict | None:
     """The cost-aware budget's counters over a point (``specplug_stats``'s
-    ``budget``; None for engines without one)."""
+    ``budget``; None for engines without one), the gate's last verdicts at
+    its end (``gate``), and where the engine's time went (``engine``: steps,
+    seconds collecting and proposing drafts, per-source nodes and accepted
+    tokens), so a point that lost can be read as gated, drafting or paying."""
     if not isinstance(after, dict) or not isinstance(after.get("budget"), dict):
         return None
     old = (before or {}).get("budget") or {}
     new = after["budget"]
-    return {k: new[k] - old.get(k, 0) for k in BUDGET_KEYS
-            if isinstance(new.get(k), (int, float))}
+    out = {k: new[k] - old.get(k, 0) for k in BUDGET_KEYS
+           if isinstance(new.get(k), (int, float))}
+    out["gate"] = {k: new[k] for k in GATE_KEYS if k in new}
+    prev = before or {}
+    engine = {k: _delta(after.get(k), prev.get(k)) for k in ENGINE_KEYS
+              if isinstance(after.get(k), (int, float))}
+    for key in ENGINE_SOURCES:
+        if isinstance(after.get(key), dict):
+            was = prev.get(key) or {}
+            engine[key] = {s: n - was.get(s, 0) for s, n in after[key].items()
+                           if n - was.get(s, 0)}
+    out["engine"] = engine
+    return out

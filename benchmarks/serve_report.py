@@ -134,16 +134,21 @@ def ratio(rec: dict, base: dict | None, key: str, sub: str | None = None) -> flo
     return a / b if a is not None and b else None
 
 
-def targets(doc: dict, kinds: dict[str, str]) -> list[str]:
+def method_kinds(doc: dict) -> dict[str, str]:
+    """Each method of a sweep -> ``specplug`` / ``vllm`` / ``baseline``."""
+    return {r["method"]: r.get("method_kind") for r in doc.get("records", [])}
+
+
+def targets(doc: dict) -> list[str]:
     """The serving targets the sweep is held to, one line per miss (empty:
-    all met). ``kinds``: method -> ``specplug`` / ``vllm`` / ``baseline``.
+    all met).
 
     Every specplug method at every point: output tokens/s at least 0.97x
     ``none``'s and p99 TPOT at most 1.03x; the best specplug method at
     concurrency 1 at least 1.3x ``none``, and ahead of vLLM's ``suffix``
     and ``ngram`` at every concurrency (the best of those that draft:
     ``NOT_SPECULATING`` left out)."""
-    misses = []
+    misses, kinds = [], method_kinds(doc)
     for (dataset, temp), recs in groups(doc).items():
         at = {(r["method"], r["load"], r["value"]): r for r in recs}
         where = f"{dataset} T={temp:g}"
@@ -188,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render_markdown(doc))
     if any(r["method"] == "plain" for r in doc.get("records", [])):
         print(render_markdown(doc, baseline="plain"))
-    kinds = {r["method"]: r.get("method_kind") for r in doc.get("records", [])}
-    misses = targets(doc, kinds)
+    misses = targets(doc)
     print("targets: " + ("all met" if not misses else f"{len(misses)} missed"))
     for line in misses:
         print(f"- {line}")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -250,6 +251,13 @@ def run_method(method: dict, model: str, cfg: dict, datasets: dict, points: list
 
 
 # ------------------------------------------------------------------ main
+def exit_on_sigterm() -> None:
+    """SIGTERM ends the sweep as Ctrl-C does, through ``run_method``'s
+    ``finally``: the running server is stopped, not left holding its
+    memory (a leftover engine would skew every later measurement)."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def new_document(args, argv, cfg: dict, model: str, machine: dict, methods) -> dict:
     from benchmarks.run import _dist_version
 
@@ -297,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     points = [p for name, texts in datasets.items() for p in sp.plan_points(name, texts, cfg)]
     if args.dry_run:
         return dry_run(methods, points)
+    exit_on_sigterm()
     work = args.log_dir or tempfile.mkdtemp(prefix="serve-sweep-")
     os.makedirs(work, exist_ok=True)
     print(f"logs and vLLM's results: {work}", flush=True)

@@ -135,15 +135,31 @@ def test_point_record_takes_vllms_figures():
 
 
 def test_budget_deltas():
-    before = {"budget": {"steps": 10, "gated_steps": 2, "zero_steps": 0, "size_hist": {}}}
-    after = {"budget": {"steps": 30, "gated_steps": 12, "zero_steps": 1, "size_hist": {}}}
-    assert sp.budget_deltas(before, after) == {"steps": 20, "gated_steps": 10, "zero_steps": 1}
-    assert sp.budget_deltas(None, {"budget": {"steps": 4}}) == {"steps": 4}
+    before = {"budget": {"steps": 10, "gated_steps": 2, "zero_steps": 0, "size_hist": {}},
+              "steps": 40, "propose_seconds": 1.5, "source_nodes": {"copy": 5}}
+    after = {"budget": {"steps": 30, "gated_steps": 12, "zero_steps": 1, "size_hist": {},
+                        "gate_log": [[7, 0, 16, 0, -1.0, 2.0, 0.5, -3.5, -2.0, 0, 8]],
+                        "draft_ms": 0.5},
+             "steps": 70, "propose_seconds": 2.0,
+             "source_nodes": {"copy": 9, "suffix": 3}, "source_accepted": {"copy": 2}}
+    out = sp.budget_deltas(before, after)
+    assert {k: out[k] for k in ("steps", "gated_steps", "zero_steps")} == {
+        "steps": 20, "gated_steps": 10, "zero_steps": 1}
+    # the gate's state at the point's end, not a difference
+    assert out["gate"] == {"gate_log": after["budget"]["gate_log"], "draft_ms": 0.5}
+    assert out["engine"] == {"steps": 30, "propose_seconds": 0.5,
+                             "source_nodes": {"copy": 4, "suffix": 3},
+                             "source_accepted": {"copy": 2}}
+    first = sp.budget_deltas(None, {"budget": {"steps": 4}})
+    assert first["steps"] == 4 and first["engine"] == {}
     assert sp.budget_deltas(before, {"drafts": 3}) is None
 
 
+KINDS = {"none": "baseline", "plain": "specplug", "pld": "specplug", "suffix": "vllm"}
+
+
 def _rec(method, load, value, tps, p99, tau=None, temp=0.0):
-    return {"method": method, "dataset": "specbench", "temperature": temp, "load": load,
+    return {"method": method, "method_kind": KINDS[method], "dataset": "specbench", "temperature": temp, "load": load,
             "value": value, "output_throughput": tps, "tpot_ms": {"p50": p99 / 2, "p99": p99},
             "spec": {"tau": tau} if tau else None}
 
@@ -212,19 +228,18 @@ def test_missing_datastore_is_a_skip_not_a_crash(tmp_path):
 
 
 def test_targets_name_each_miss():
-    kinds = {"none": "baseline", "pld": "specplug", "suffix": "vllm"}
     doc = {"records": [
         _rec("none", "concurrency", 1, 20.0, 50.0), _rec("none", "concurrency", 2, 30.0, 60.0),
         _rec("pld", "concurrency", 1, 30.0, 40.0), _rec("pld", "concurrency", 2, 28.5, 61.5),
         _rec("suffix", "concurrency", 1, 25.0, 45.0), _rec("suffix", "concurrency", 2, 29.0, 61.0),
         _rec("none", "rate", 0.5, 10.0, 55.0), _rec("pld", "rate", 0.5, 10.0, 55.0)]}
-    misses = serve_report.targets(doc, kinds)
+    misses = serve_report.targets(doc)
     # c=2: 28.5/30 = 0.95x (< 0.97x), 61.5/60 = 1.025x (within 1.03x), suffix ahead
     assert misses == ["specbench T=0 c=2 pld: output tok/s 0.95x none (< 0.97x)",
                       "specbench T=0 c=2: suffix 29.0 >= best specplug (pld) 28.5 tok/s"]
     doc["records"][2] = _rec("pld", "concurrency", 1, 25.0, 40.0)
     assert "specbench T=0 c=1: best specplug (pld) 1.25x none (< 1.3x)" in (
-        serve_report.targets(doc, kinds))
+        serve_report.targets(doc))
 
 
 def test_point_record_keeps_vllms_own_spec_figures():
@@ -235,3 +250,50 @@ def test_point_record_keeps_vllms_own_spec_figures():
     assert rec["bench_spec"] == {"spec_decode_acceptance_length": 2.5,
                                  "spec_decode_num_drafts": 4}
     assert sp.point_record("none", "baseline", point, BENCH, None)["bench_spec"] is None
+
+
+SIGTERM_SCRIPT = r'''
+import os, signal, sys, time
+from benchmarks import serve_sweep
+
+marker = sys.argv[1]
+
+class FakeServer:
+    """A server that comes up and never finishes a point."""
+    def __init__(self, *args, **kwargs):
+        pass
+    def wait_ready(self, timeout):
+        open(marker + ".up", "w").close()
+        time.sleep(60)
+    def stop(self):
+        open(marker, "w").write("stopped")
+
+serve_sweep.SweepServer = FakeServer
+serve_sweep.exit_on_sigterm()
+serve_sweep.run_method({"name": "pld", "spec": {}, "kind": "specplug"}, "m", {},
+                       {}, [], type("A", (), {"eager": False, "start_timeout": 1})(),
+                       os.path.dirname(marker), None)
+'''
+
+
+def test_sigterm_stops_the_running_server(tmp_path):
+    """A sweep sent SIGTERM (a job stopped from outside) stops its server
+    before it exits, instead of leaving an engine holding memory."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.machine import REPO_ROOT
+
+    marker = tmp_path / "server"
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(marker)],
+                            cwd=REPO_ROOT, env={**__import__("os").environ,
+                                                "PYTHONPATH": str(REPO_ROOT)})
+    deadline = time.time() + 60
+    while not (tmp_path / "server.up").exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert marker.read_text() == "stopped"
