@@ -179,6 +179,9 @@ SERVING: tuple[Run, ...] = (
         "`suffix`, and the specplug methods that lead the offline runs, each in its own "
         "`vllm serve`, at 1 to 32 concurrent streams and two Poisson request rates. Each "
         "load point is measured once (its own prompts, the same for every method)."),
+    Run("serve_sweep_sharegpt_greedy.json", "Serving under load: real chat (ShareGPT), greedy",
+        "The same servers and load points on the first user turns of ShareGPT's first "
+        "10,000 conversations, held out: nothing was tuned on them."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
