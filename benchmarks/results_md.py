@@ -336,9 +336,20 @@ def serving_header(doc: dict, name: str) -> list[str]:
         f"- Settings: {run['dtype']}, {'compiled' if run.get('compiled') else 'eager'}, "
         f"`--max-num-seqs {cfg['max_num_seqs']}`, answers up to {cfg['output_len']} tokens, "
         f"{cfg['prompts_per_stream']} prompts per stream (at least {cfg['min_prompts']}), "
-        f"Poisson points {cfg['rate_seconds']} s of arrivals"
+        f"Poisson points {cfg['rate_seconds']} s of arrivals; "
+        + (f"{cfg['repeats']} passes per point, each method on a fresh server in each "
+           "(median, tokens/s min-max in brackets)" if cfg.get("repeats", 1) > 1
+           else "each point measured once")
         + (f"; {skipped}" if skipped else "") + (f"; {failed}" if failed else ""),
-        "", "```bash", display_command(run["command"], name), "```", ""]
+        "", "```bash", display_command(_with_passes(run["command"], cfg), name), "```", ""]
+
+
+def _with_passes(command: str, cfg: dict) -> str:
+    """A sweep's command with its passes spelled out: one run before the
+    configuration's default became several passes re-runs as it ran."""
+    if "--repeats" in command:
+        return command
+    return command + f" --repeats {cfg.get('repeats', 1)}"
 
 
 def serving_section(run: C.Run) -> list[str]:

@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import statistics
 import sys
 
 from benchmarks.figures import save_png
@@ -31,11 +33,49 @@ def _value(rec: dict, key: str, sub: str | None):
     return v.get(sub) if sub and isinstance(v, dict) else v
 
 
+MEDIAN_FIGURES = (("output_throughput", None), ("request_throughput", None),
+                  *((k, s) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+                    for s in ("mean", "p50", "p99")))
+"""The figures a point measured in several passes reports as their median."""
+
+
+def median_record(passes: list[dict]) -> dict:
+    """One load point measured in several passes (each its own server, see
+    ``serve_sweep --repeats``) as one record: every figure the median over
+    the passes, ``passes`` their number, ``output_throughput_range`` the
+    min and max output tokens/s, tau the median of the passes' taus."""
+    if len(passes) == 1:
+        return passes[0]
+    rec = copy.deepcopy(passes[0])
+    rec["passes"] = len(passes)
+    for key, sub in MEDIAN_FIGURES:
+        values = [v for v in (_value(r, key, sub) for r in passes) if v is not None]
+        if not values:
+            continue
+        if sub is None:
+            rec[key] = statistics.median(values)
+        else:
+            rec[key][sub] = statistics.median(values)
+    tps = [r["output_throughput"] for r in passes if r.get("output_throughput") is not None]
+    rec["output_throughput_range"] = [min(tps), max(tps)] if tps else None
+    taus = [t for t in ((r.get("spec") or {}).get("tau") for r in passes) if t is not None]
+    if taus:
+        rec["spec"]["tau"] = statistics.median(taus)
+    rec["completed"] = sum(r.get("completed") or 0 for r in passes)
+    rec["failed"] = sum(r.get("failed") or 0 for r in passes)
+    return rec
+
+
 def groups(doc: dict) -> dict[tuple[str, float], list[dict]]:
-    """Records by (dataset, temperature), in the order they were measured."""
-    out: dict[tuple[str, float], list[dict]] = {}
+    """Records by (dataset, temperature), in the order they were measured,
+    a point measured in several passes as one (``median_record``)."""
+    points: dict[tuple, list[dict]] = {}
     for rec in doc.get("records", []):
-        out.setdefault((rec["dataset"], rec["temperature"]), []).append(rec)
+        key = (rec["dataset"], rec["temperature"], rec["method"], rec["load"], rec["value"])
+        points.setdefault(key, []).append(rec)
+    out: dict[tuple[str, float], list[dict]] = {}
+    for (dataset, temp, *_), passes in points.items():
+        out.setdefault((dataset, temp), []).append(median_record(passes))
     return out
 
 
@@ -95,7 +135,9 @@ def _cell(rec: dict, base: dict | None) -> str:
     tps, p99 = rec.get("output_throughput"), _value(rec, "tpot_ms", "p99")
     if tps is None or p99 is None:
         return "-"
-    text = f"{tps:.1f} / {p99:.0f}"
+    spread = rec.get("output_throughput_range")
+    text = f"{tps:.1f}" + (f" [{spread[0]:.1f}-{spread[1]:.1f}]" if spread else "")
+    text += f" / {p99:.0f}"
     tps_ratio = ratio(rec, base, "output_throughput")
     tpot_ratio = ratio(rec, base, "tpot_ms", "p99")
     if base is not rec and tps_ratio is not None and tpot_ratio is not None:
@@ -110,7 +152,9 @@ def load_label(load: str, value: float) -> str:
 
 def render_markdown(doc: dict, baseline: str = BASELINE) -> str:
     """One table per dataset and temperature: rows are methods, columns load
-    points; a cell is ``output tok/s / p99 TPOT ms`` (ratio to
+    points; a cell is ``output tok/s / p99 TPOT ms`` (medians, with the
+    tokens/s' min-max in brackets, where a point ran in several passes;
+    ratio to
     ``baseline``: ``none``, or ``plain`` for speculation apart from the
     plugin's CPU kernel), and tau (tokens per verified draft)."""
     lines = []

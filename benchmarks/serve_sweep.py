@@ -14,7 +14,12 @@ with vLLM's own ``vllm bench serve`` at every load point: each max
 concurrency (closed loop) and each Poisson request rate (open loop), greedy
 and sampled, on each dataset. Every point sends its own slice of the
 dataset (see :mod:`benchmarks.serve_points`), the same slices for every
-method. Around each point it scrapes ``/metrics`` (vLLM's spec-decode
+method. With ``repeats`` R (``--repeats``) the sweep runs R passes, each
+method on a fresh server in every pass (nothing a method remembers of one
+pass's answers drafts the next's), pass by pass so that the machine's
+drift falls on every method alike; the report gives each point's median
+over the passes with the min-max (:func:`benchmarks.serve_report.median_record`).
+Around each point it scrapes ``/metrics`` (vLLM's spec-decode
 counters and the plugin's ``specplug:`` ones) and, for specplug methods, the
 cost-aware budget's counters (``specplug_stats``).
 
@@ -47,7 +52,7 @@ from benchmarks.soak import Server, free_port
 DEFAULT_CONFIG = REPO_ROOT / "benchmarks" / "configs" / "serve_sweep.json"
 LOAD_KEYS = ("concurrency", "request_rates", "temperatures", "prompts_per_stream",
              "min_prompts", "rate_seconds", "warmup_prompts", "output_len",
-             "max_model_len", "max_prompt_len", "max_num_seqs", "datasets")
+             "max_model_len", "max_prompt_len", "max_num_seqs", "datasets", "repeats")
 
 
 def _floats(text: str) -> list[float]:
@@ -64,8 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in _floats(s)])
     ap.add_argument("--request-rates", type=_floats, help="requests/s ('' for none)")
     ap.add_argument("--temperatures", type=_floats)
-    for key in ("prompts_per_stream", "min_prompts", "rate_seconds", "warmup_prompts",
-                "output_len", "max_model_len", "max_prompt_len", "max_num_seqs"):
+    for key in ("repeats", "prompts_per_stream", "min_prompts", "rate_seconds",
+                "warmup_prompts", "output_len", "max_model_len", "max_prompt_len",
+                "max_num_seqs"):
         ap.add_argument("--" + key.replace("_", "-"), type=int)
     ap.add_argument("--model", help="default: the reference model (specplug ref-model)")
     ap.add_argument("--eager", action="store_true",
@@ -200,8 +206,9 @@ def run_bench(server: SweepServer, point: sp.Point, cfg: dict, work: str, tag: s
         return json.load(f)
 
 
-def measure_point(server, method: dict, point: sp.Point, cfg: dict, work: str, log) -> dict:
-    tag = f"{method['name']}-{point.name}".replace("/", "_").replace(":", "_")
+def measure_point(server, method: dict, point: sp.Point, cfg: dict, work: str, log,
+                  pass_index: int = 0) -> dict:
+    tag = f"{method['name']}-p{pass_index}-{point.name}".replace("/", "_").replace(":", "_")
     stats0, before = _stats(server, method), server.metrics()
     bench = run_bench(server, point, cfg, work, tag, log)
     after, stats1 = server.metrics(), _stats(server, method)
@@ -209,6 +216,7 @@ def measure_point(server, method: dict, point: sp.Point, cfg: dict, work: str, l
     rec = sp.point_record(method["name"], method["kind"], point, bench, spec,
                           sp.budget_deltas(stats0, stats1))
     rec["bench_file"] = os.path.join(work, f"{tag}.bench.json")
+    rec["pass"] = pass_index
     return rec
 
 
@@ -231,19 +239,20 @@ def _print_point(rec: dict) -> None:
 
 
 def run_method(method: dict, model: str, cfg: dict, datasets: dict, points: list,
-               args, work: str, on_record) -> None:
-    log_path = os.path.join(work, f"{method['name']}.serve.log")
-    with open(os.path.join(work, f"{method['name']}.bench.log"), "w") as log:
+               args, work: str, on_record, pass_index: int = 0) -> None:
+    """Every point on one fresh server of ``method`` (pass ``pass_index``)."""
+    name = method["name"] if not pass_index else f"{method['name']}-pass{pass_index}"
+    log_path = os.path.join(work, f"{name}.serve.log")
+    with open(os.path.join(work, f"{name}.bench.log"), "w") as log:
         server = SweepServer(model, method["spec"], cfg, log_path, args.eager)
         try:
             t0 = time.time()
             server.wait_ready(timeout=args.start_timeout)
-            print(f"{method['name']}: server up in {time.time() - t0:.0f} s "
-                  f"(log {log_path})", flush=True)
+            print(f"{name}: server up in {time.time() - t0:.0f} s (log {log_path})", flush=True)
             first = next(iter(datasets.values()))
             warm_up(server, method, sp.warmup_texts(first, cfg), cfg, work, log)
             for point in points:
-                rec = measure_point(server, method, point, cfg, work, log)
+                rec = measure_point(server, method, point, cfg, work, log, pass_index)
                 _print_point(rec)
                 on_record(rec)
         finally:
@@ -280,15 +289,15 @@ def write_document(doc: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def dry_run(methods, points: list) -> int:
+def dry_run(methods, points: list, repeats: int = 1) -> int:
     for m in methods:
         print(f"server {m['name']}: {json.dumps(m['spec'])}"
               + (f"  SKIPPED: {m['skip']}" if m["skip"] else ""))
     for p in points:
         print(f"  point {p.name}: {len(p.prompts)} prompts")
     total = sum(len(p.prompts) for p in points)
-    print(f"{len(points)} points x {sum(not m['skip'] for m in methods)} servers, "
-          f"{total} prompts per server")
+    print(f"{len(points)} points x {sum(not m['skip'] for m in methods)} servers x "
+          f"{repeats} passes, {total} prompts per server")
     return 0
 
 
@@ -304,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     datasets = load_datasets(cfg, model)
     points = [p for name, texts in datasets.items() for p in sp.plan_points(name, texts, cfg)]
     if args.dry_run:
-        return dry_run(methods, points)
+        return dry_run(methods, points, cfg.get("repeats", 1))
     exit_on_sigterm()
     work = args.log_dir or tempfile.mkdtemp(prefix="serve-sweep-")
     os.makedirs(work, exist_ok=True)
@@ -318,12 +327,18 @@ def main(argv: list[str] | None = None) -> int:
     for m in methods:
         if m["skip"]:
             print(f"{m['name']}: SKIPPED - {m['skip']}", flush=True)
-            continue
-        try:
-            run_method(m, model, cfg, datasets, points, args, work, on_record)
-        except (RuntimeError, OSError, ValueError) as e:
-            print(f"{m['name']}: FAILED - {e}", flush=True)
-            doc["failed"].append({"method": m["name"], "error": str(e)[-2000:]})
+    # pass by pass, every method in each: the machine's drift over the
+    # sweep's hours falls on every method alike
+    for pass_index in range(cfg.get("repeats", 1)):
+        for m in methods:
+            if m["skip"] or any(f["method"] == m["name"] for f in doc["failed"]):
+                continue
+            try:
+                run_method(m, model, cfg, datasets, points, args, work, on_record, pass_index)
+            except (RuntimeError, OSError, ValueError) as e:
+                print(f"{m['name']}: FAILED - {e}", flush=True)
+                doc["failed"].append({"method": m["name"], "error": str(e)[-2000:],
+                                      "pass": pass_index})
     doc["run"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_document(doc, args.out)
     from benchmarks.serve_report import plot_all

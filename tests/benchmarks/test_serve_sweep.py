@@ -211,6 +211,7 @@ def test_shipped_config_covers_the_issue_matrix():
         cfg = json.load(f)
     assert cfg["concurrency"] == [1, 2, 4, 8, 16, 32] and len(cfg["request_rates"]) == 2
     assert cfg["temperatures"] == [0.0, 0.7]
+    assert cfg["repeats"] >= 3  # one estimator: a point's median over passes
     assert cfg["max_num_seqs"] >= 2 * max(cfg["concurrency"])  # room for rate points' queue
     assert {"none", "plain", "ngram", "suffix"} <= set(cfg["methods"])
     from vllm_specplug import registry
@@ -297,3 +298,50 @@ def test_sigterm_stops_the_running_server(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert marker.read_text() == "stopped"
+
+
+def test_points_of_several_passes_report_their_median():
+    """``--repeats``: a point measured on three servers is one record in
+    every table, plot and target check: the medians, the tokens/s' min-max."""
+    doc = {"records": [
+        {**_rec("none", "concurrency", 1, tps, p99), "pass": i}
+        for i, (tps, p99) in enumerate([(20.0, 50.0), (26.0, 40.0), (22.0, 70.0)])] + [
+        {**_rec("pld", "concurrency", 1, tps, p99, tau=tau), "pass": i}
+        for i, (tps, p99, tau) in enumerate([(30.0, 40.0, 2.0), (21.0, 45.0, 1.5),
+                                             (33.0, 35.0, 2.5)])]}
+    (recs,) = serve_report.groups(doc).values()
+    none, pld = recs
+    assert none["output_throughput"] == 22.0 and none["tpot_ms"]["p99"] == 50.0
+    assert pld["passes"] == 3 and pld["output_throughput_range"] == [21.0, 33.0]
+    assert pld["output_throughput"] == 30.0 and pld["spec"]["tau"] == 2.0
+    assert doc["records"][3]["output_throughput"] == 30.0  # the passes stay as measured
+    table = serve_report.render_markdown(doc)
+    assert "30.0 [21.0-33.0] / 40 (1.36x / 0.80x), tau 2.00" in table
+    assert serve_report.targets(doc) == []  # 30/22 >= 1.3 at c=1
+
+
+def test_repeats_run_pass_by_pass_on_fresh_servers(tmp_path, monkeypatch):
+    """Every method once per pass, pass after pass, each on its own server;
+    each record says its pass."""
+    started = []
+
+    def fake_run_method(method, model, cfg, datasets, points, args, work, on_record,
+                        pass_index=0):
+        started.append((pass_index, method["name"]))
+        on_record({"method": method["name"], "pass": pass_index})
+
+    monkeypatch.setattr(serve_sweep, "run_method", fake_run_method)
+    monkeypatch.setattr(serve_sweep, "load_datasets", lambda cfg, model: {"specbench": ["a"] * 8})
+    monkeypatch.setattr(serve_sweep, "machine_info", lambda: {})
+    monkeypatch.setattr(serve_sweep, "exit_on_sigterm", lambda: None)  # not pytest's
+    cfg_path = tmp_path / "c.json"
+    cfg_path.write_text(json.dumps({**CFG, "datasets": ["specbench"], "methods": {
+        "none": None, "ngram": {"method": "ngram", "num_speculative_tokens": 4}}}))
+    out = tmp_path / "s.json"
+    monkeypatch.setattr(serve_sweep, "new_document", lambda *a: {
+        "run": {}, "skipped": [], "failed": [], "records": []})
+    monkeypatch.setattr("benchmarks.serve_report.plot_all", lambda doc, prefix: [])
+    assert serve_sweep.main(["--config", str(cfg_path), "--repeats", "2", "--model", "m",
+                             "--out", str(out), "--log-dir", str(tmp_path)]) == 0
+    assert started == [(0, "none"), (0, "ngram"), (1, "none"), (1, "ngram")]
+    assert [r["pass"] for r in json.loads(out.read_text())["records"]] == [0, 0, 1, 1]
