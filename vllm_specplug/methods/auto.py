@@ -207,14 +207,15 @@ class AutoProposer(Proposer):
                 for r, c, p in zip(batch, covers, pending)]
         # a request that does not ask holds its rows (budget 0; a prompt
         # chunk: not drafting) and feeds them in one pass when it next asks
-        fed = [r if ask or (not r.sampled and not counted) else
-               dataclasses.replace(r, budget=0) if r.sampled else
-               dataclasses.replace(r, drafting=False) for r, ask in zip(batch, asks)]
+        fed = [r if ask or (not r.sampled and not counted) else _holding(r)
+               for r, ask in zip(batch, asks)]
         rows_before = self.head.runtime.stats.extended_rows
         t0 = time.perf_counter()
         self.head.extend(fed)
         t1 = time.perf_counter()
-        trees = self.head.draft(fed, [r.budget if a else 0 for r, a in zip(fed, asks)])
+        # a step no request asks the head in (the gate closed) costs no draft call
+        trees = (self.head.draft(fed, [r.budget if a else 0 for r, a in zip(fed, asks)])
+                 if any(asks) else [None] * len(batch))
         t2 = time.perf_counter()
         if counted:
             self.head_use.feed(t1 - t0, self.head.runtime.stats.extended_rows - rows_before)
@@ -296,6 +297,15 @@ def _open_head(config: AutoConfig, ctx: ProposerContext) -> Eagle3Drafter | None
                                       "not expose")
         return None
     return Eagle3Drafter(config, ctx)
+
+
+def _holding(r: StepRequest) -> StepRequest:
+    """``r`` as the head sees a request that does not ask it: it holds the
+    rows (no budget; a prompt chunk not drafting). Already so in a step
+    the gate closed, where copying every request would be the step's cost."""
+    if r.sampled:
+        return r if r.budget <= 0 else dataclasses.replace(r, budget=0)
+    return r if not r.drafting else dataclasses.replace(r, drafting=False)
 
 
 def _rows(r: StepRequest) -> int:
