@@ -381,6 +381,11 @@ def _serving_cell(rec: dict | None, none: dict | None, plain: dict | None) -> st
     return text + (f" ({vs_plain:.2f}x)" if vs_plain is not None and rec is not plain else "")
 
 
+def _short_title(title: str) -> str:
+    """A sweep's title without its section's common start."""
+    return title.split(": ", 1)[-1]
+
+
 def serving_block(link: str) -> str:
     """Per canonical sweep, dataset and temperature: each method's output
     tokens/s over plain decoding's at every load point, over the plugin's
@@ -390,13 +395,18 @@ def serving_block(link: str) -> str:
     if not C.SERVING:
         return f"No serving sweep yet; see [RESULTS.md]({link})."
     lines = []
+    seen: set[tuple] = set()
     for run in C.SERVING:
         doc = C.load(run.file)
         kinds = SR.method_kinds(doc)
         for (dataset, temp), recs in SR.groups(doc).items():
             cols = list(dict.fromkeys((r["load"], r["value"]) for r in recs))
             at = {(r["method"], r["load"], r["value"]): r for r in recs}
-            lines += [f"**{dataset}, temperature {temp:g}**", "",
+            # a later sweep of the same dataset and temperature (other
+            # methods, another day) is its own table: never mix two runs
+            again = f" ({_short_title(run.title)})" if (dataset, temp) in seen else ""
+            seen.add((dataset, temp))
+            lines += [f"**{dataset}, temperature {temp:g}**{again}", "",
                       "| method | " + " | ".join(SR.load_label(*c) for c in cols) + " |",
                       "|---|" + "---|" * len(cols)]
             for m in dict.fromkeys(r["method"] for r in recs):

@@ -191,3 +191,21 @@ def test_a_serving_sweep_is_held_against_plain_decoding_and_the_plugins_plain_en
     assert "c=8 pld: output tok/s 0.95x none (< 0.97x)" in text
     assert "c=8 pld: p99 TPOT 1.05x none (> 1.03x)" in text
     assert "c=8: suffix 98.0 >= best specplug (pld) 95.0 tok/s" in text
+
+
+def test_two_sweeps_of_one_dataset_stay_two_tables(monkeypatch):
+    monkeypatch.setattr(canonical, "SERVING", (
+        canonical.Run("a.json", "Serving under load: Spec-Bench, greedy", "about"),
+        canonical.Run("b.json", "Serving under load: Spec-Bench, greedy, the other methods",
+                      "about")))
+    docs = {"a.json": [_point("none", "baseline", 1, 20.0, 40.0),
+                       _point("pld", "specplug", 1, 30.0, 30.0, 2.0)],
+            "b.json": [_point("none", "baseline", 1, 10.0, 40.0),
+                       _point("recycle", "specplug", 1, 12.0, 30.0, 2.0)]}
+    monkeypatch.setattr(canonical, "load", lambda name: {"records": docs[name]})
+    lines = results_md.serving_block("R.md").splitlines()
+    heads = [line for line in lines if line.startswith("**")]
+    assert heads == ["**specbench, temperature 0**",
+                     "**specbench, temperature 0** (Spec-Bench, greedy, the other methods)"]
+    # each table against its own run's plain decoding
+    assert "| pld | 1.50x |" in lines and "| recycle | 1.20x |" in lines
