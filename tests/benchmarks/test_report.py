@@ -209,3 +209,10 @@ def test_two_sweeps_of_one_dataset_stay_two_tables(monkeypatch):
                      "**specbench, temperature 0** (Spec-Bench, greedy, the other methods)"]
     # each table against its own run's plain decoding
     assert "| pld | 1.50x |" in lines and "| recycle | 1.20x |" in lines
+
+
+def test_an_empty_option_value_is_shown_quoted():
+    # recorded by a plain join: "--request-rates  --repeats 1" lost its ''
+    shown = results_md.display_command(
+        "python -m benchmarks.serve_sweep --request-rates  --repeats 1 --out /tmp/x.json", "s.json")
+    assert "--request-rates '' --repeats 1" in shown.replace(" \\\n    ", " ")

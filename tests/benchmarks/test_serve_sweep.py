@@ -345,3 +345,13 @@ def test_repeats_run_pass_by_pass_on_fresh_servers(tmp_path, monkeypatch):
                              "--out", str(out), "--log-dir", str(tmp_path)]) == 0
     assert started == [(0, "none"), (0, "ngram"), (1, "none"), (1, "ngram")]
     assert [r["pass"] for r in json.loads(out.read_text())["records"]] == [0, 0, 1, 1]
+
+
+def test_the_recorded_command_keeps_an_empty_value_quoted():
+    import argparse
+    import shlex
+
+    argv = ["--methods", "none", "--request-rates", "", "--repeats", "1"]
+    doc = serve_sweep.new_document(argparse.Namespace(eager=False), argv, {}, "m", {}, [])
+    # re-running the recorded command parses back to the same arguments
+    assert shlex.split(doc["run"]["command"])[3:] == argv
