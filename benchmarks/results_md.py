@@ -232,7 +232,9 @@ def verify_cost_section() -> list[str]:
                 + f", {meta.get('steps')} steps per timing"
                 + (f", {meta['repeats']} paired repeats" if meta.get("repeats") else ""),
                 f"- Machine: {_machine(meta.get('machine'))}",
-                f"- Commit: {_commit(meta.get('git'))}", ""]
+                f"- Commit: {_commit(meta.get('git'))}"]
+        kernel = _kernel_state(meta)
+        out += ([f"- The plugin's CPU linear kernel in its engines: {kernel}"] if kernel else []) + [""]
         out += (_cost_pairs(doc) if meta.get("repeats") else _cost_grid(doc)) + [""]
     return out
 
@@ -251,19 +253,31 @@ def _cost_grid(doc: dict) -> list[str]:
 
 
 def _cost_pairs(doc: dict) -> list[str]:
-    out = ["| tree nodes | step (median) | x vLLM plain step (min–max) | "
-           "x the plugin's plain step (min–max) |", "|---|---|---|---|"]
+    batches = len({r["batch_size"] for r in doc["records"]}) > 1
+    lead = "| batch " if batches else ""
+    out = [lead + "| tree nodes | step (median) | x vLLM plain step (min–max) | "
+           "x the plugin's plain step (min–max) |", "|---" * (4 + batches) + "|"]
     for r in doc["records"]:
+        head = f"| {r['batch_size']} " if batches else ""
         if r["tree_size"] == 0:
-            out.append(f"| 0 (vLLM plain) | {r['step_ms']:.1f} ms | 1.00 | "
+            out.append(head + f"| 0 (vLLM plain) | {r['step_ms']:.1f} ms | 1.00 | "
                        f"plugin plain {_f(r.get('plugin_plain_step_ms'), '.1f')} ms |")
             continue
         cells = []
         for key in ("relative_to_plain", "relative_to_plugin_plain"):
             reps = r.get(f"{key}_repeats") or []
             cells.append(f"{_f(r.get(key))}" + (f" ({min(reps):.2f}–{max(reps):.2f})" if reps else ""))
-        out.append(f"| {r['tree_size']} | {r['step_ms']:.1f} ms | {cells[0]} | {cells[1]} |")
+        out.append(head + f"| {r['tree_size']} | {r['step_ms']:.1f} ms | {cells[0]} | {cells[1]} |")
     return out
+
+
+def _kernel_state(meta: dict) -> str | None:
+    """The plugin's CPU linear kernel in a cost run's plugin engines, where
+    the run recorded it (runs before it was recorded: None)."""
+    state = meta.get("cpu_linear")
+    if state is None:
+        return None
+    return ("on" if state.get("enabled") else "off") + f" (`SPECPLUG_CPU_LINEAR` {state.get('env') or 'unset'})"
 
 
 def soak_section() -> list[str]:

@@ -129,6 +129,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     batches = [int(b) for b in args.batch.split(",")]
     from benchmarks.machine import describe, git_info, machine_info
+    from benchmarks.run import cpu_linear_run
 
     machine = machine_info()
     print(describe(machine), f"({'eager' if args.eager else 'compiled'})", flush=True)
@@ -189,7 +190,7 @@ def main() -> None:
     meta = {"model": model, "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats,
             "prompt_tokens": args.prompt_tokens,
             "enforce_eager": args.eager, "machine": machine, "git": git_info(),
-            "seconds": time.time() - t_start}
+            "cpu_linear": cpu_linear_run(), "seconds": time.time() - t_start}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "records": records}, f, indent=2)
     _plot(records, args.plot, meta)

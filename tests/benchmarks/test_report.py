@@ -216,3 +216,26 @@ def test_an_empty_option_value_is_shown_quoted():
     shown = results_md.display_command(
         "python -m benchmarks.serve_sweep --request-rates  --repeats 1 --out /tmp/x.json", "s.json")
     assert "--request-rates '' --repeats 1" in shown.replace(" \\\n    ", " ")
+
+
+def test_a_cost_run_over_two_batches_names_each_row_and_the_kernel(monkeypatch):
+    monkeypatch.setattr(canonical, "VERIFY_COST", (("k.json", "Kernel off"),))
+
+    def rec(batch, size, ms):
+        r = {"batch_size": batch, "tree_size": size, "step_ms": ms, "plugin_plain_step_ms": 30.0}
+        if size:
+            r.update(relative_to_plain=1.7, relative_to_plain_repeats=[1.3, 1.9],
+                     relative_to_plugin_plain=1.75, relative_to_plugin_plain_repeats=[1.6, 1.9])
+        return r
+
+    doc = {"meta": {"dtype": "float32", "enforce_eager": False, "steps": 16, "repeats": 5,
+                    "cpu_linear": {"env": "0", "enabled": False}},
+           "records": [rec(1, 0, 37.1), rec(1, 8, 57.3), rec(8, 0, 49.0)]}
+    monkeypatch.setattr(canonical, "load", lambda name: doc)
+    lines = results_md.verify_cost_section()
+    assert "- The plugin's CPU linear kernel in its engines: off (`SPECPLUG_CPU_LINEAR` 0)" in lines
+    assert "| 1 | 8 | 57.3 ms | 1.70 (1.30–1.90) | 1.75 (1.60–1.90) |" in lines
+    assert "| 8 | 0 (vLLM plain) | 49.0 ms | 1.00 | plugin plain 30.0 ms |" in lines
+    # a run that did not record the kernel says nothing of it
+    del doc["meta"]["cpu_linear"]
+    assert not any("linear kernel in its engines" in line for line in results_md.verify_cost_section())
