@@ -166,6 +166,10 @@ VERIFY_COST = (
     ("verify_cost_ctx1000.json", "Plain step against an 8-node tree step, 1000-token context"),
     ("verify_cost_b1_f32.json", "Step cost against tree size, batch 1, float32, compiled "
      "(the headline runs' setting)"),
+    ("verify_cost_kernel_on_avx2.json", "An 8-node tree step and plain steps at batch 1 and 8, "
+     "float32, compiled, a CPU without AVX-512: the plugin's CPU linear kernel on"),
+    ("verify_cost_kernel_off_avx2.json", "The same on the same machine, minutes later: the "
+     "kernel off (`SPECPLUG_CPU_LINEAR=0`)"),
 )
 
 SOAK_GLOB = "soak_*.json"
@@ -188,6 +192,11 @@ SERVING: tuple[Run, ...] = (
         "plain decoding and `plain` measured in the same run, at 1 to 32 concurrent streams "
         "(no request-rate points). Another day and another CPU than the sweeps above: compare "
         "its figures only with each other."),
+    Run("serve_sweep_auto_c16_32.json",
+        "Serving under load: auto at 16 and 32 streams, three passes",
+        "`auto` beside plain decoding and `plain` at the two loads where its gate closes, each "
+        "point measured in three passes (every method on a fresh server in each pass). A CPU "
+        "without AVX-512: compare its figures only with each other."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
