@@ -101,7 +101,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import repetition, report, suites as suites_mod
+from benchmarks import repetition, report, result_file, suites as suites_mod
 from benchmarks.worker import chunk_starts
 from vllm_specplug.corpus import chat_ids
 from vllm_specplug.datastore import prompt_list
@@ -1429,12 +1429,7 @@ def _pass_tag(m: dict, repeats: int) -> str:
 
 
 def _write(doc: dict, path: str) -> None:
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, p)
+    result_file.write(doc, path)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import serve_points as sp
+from benchmarks import result_file, serve_points as sp
 from benchmarks.machine import REPO_ROOT, describe, git_info, machine_info
 from benchmarks.soak import Server, free_port
 
@@ -284,11 +284,7 @@ def new_document(args, argv, cfg: dict, model: str, machine: dict, methods) -> d
 
 
 def write_document(doc: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
-    os.replace(tmp, path)
+    result_file.write(doc, path)
 
 
 def dry_run(methods, points: list, repeats: int = 1) -> int:

@@ -43,6 +43,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from benchmarks import result_file
 from benchmarks.machine import git_info, machine_info
 
 PROMPTS = [
@@ -648,8 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             report = json.load(f)
         report["checks"] = _checks(report)
         report["passed"] = all(report["checks"].values())
-        with open(args.recheck, "w") as f:
-            f.write(json.dumps(report, indent=2) + "\n")
+        result_file.write(report, args.recheck)
         print(json.dumps(report["checks"], indent=1))
         return 0 if report["passed"] else 1
     spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
@@ -662,12 +662,9 @@ def main(argv: list[str] | None = None) -> int:
                   args.concurrency, args.max_tokens, args.abort_rate, args.seed,
                   progress=lambda s: print(s, file=sys.stderr, flush=True),
                   plain_cache=args.plain_cache)
-    text = json.dumps(report, indent=2)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+        result_file.write(report, args.out)
+    print(json.dumps(report, indent=2))
     return 0 if report["passed"] else 1
 
 

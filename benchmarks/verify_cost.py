@@ -28,12 +28,12 @@ each engine configuration compiles once, on its first start ever.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import time
 from statistics import median
 
+from benchmarks import result_file
 from benchmarks.figures import save_png
 
 
@@ -191,8 +191,7 @@ def main() -> None:
             "prompt_tokens": args.prompt_tokens,
             "enforce_eager": args.eager, "machine": machine, "git": git_info(),
             "cpu_linear": cpu_linear_run(), "seconds": time.time() - t_start}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=2)
+    result_file.write({"meta": meta, "records": records}, args.out)
     _plot(records, args.plot, meta)
     print(f"wrote {args.out} and {args.plot}")
 

@@ -13,12 +13,13 @@ torch SDPA with the same mask on K/V gathered beforehand. It chose
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import random
 import time
 
 import torch
+
+from benchmarks import result_file
 
 SHAPES = {  # requests, nodes per tree, context, head_dim, q heads per kv head, kv heads
     "busy_32x64_ctx2048": (32, 64, 2048, 128, 4, 8),
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for shape in SHAPES for row in time_shape(shape, verdicts)]
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "shapes": SHAPES, "compile_s": round(compile_s, 1), "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    result_file.write(doc, args.out)
     bad = [r for r in rows if not all(v is True for v in r["ok"])]
     print(f"{len(rows)} configurations, {len(bad)} wrong; report in {args.out}")
     return 1 if bad else 0

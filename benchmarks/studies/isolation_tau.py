@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-from pathlib import Path
+
+from benchmarks import result_file
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tenants": args.tenants, "max_tokens": args.max_tokens,
                         "dtype": "float32", "greedy": True},
            "results": results}
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    result_file.write(doc, args.out)
     return 0 if all(r["identical"] for r in results) else 1
 
 

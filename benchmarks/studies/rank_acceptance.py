@@ -30,6 +30,7 @@ from collections import Counter
 
 import torch
 
+from benchmarks import result_file
 from benchmarks.suites import load, tokenize
 
 CATEGORIES = ("summarization", "rag", "math_reasoning", "qa", "translation", "mt_bench")
@@ -103,8 +104,7 @@ def main() -> None:
                                  for n, ps in templates.items()},
            "templates": templates,
            "freq": dict(sorted(freq.items(), key=lambda kv: -kv[1])[:64])}
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
+    result_file.write(res, args.out)
     print(json.dumps({k: v for k, v in res.items() if k != "freq"}, indent=1))
 
 

@@ -39,6 +39,8 @@ import statistics
 import sys
 import time
 
+from benchmarks import result_file
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
 
 
@@ -213,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"spec": spec, "batch": args.batch, "machine": machine_info(),
               "runs": rows, "by_rows": by_rows}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        result_file.write(result, args.out)
     else:
         print(json.dumps(result))
     return 0

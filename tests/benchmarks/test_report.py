@@ -3,9 +3,11 @@ are what the canonical result files say, and only the blocks are touched."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks import canonical, report, results_md
+from benchmarks import canonical, report, result_file, results_md
 
 
 def test_committed_results_and_blocks_are_up_to_date():
@@ -21,6 +23,25 @@ def test_every_canonical_file_exists_and_results_stay_small():
         assert (canonical.RESULTS_DIR / name).is_file(), name
     total = sum(p.stat().st_size for p in canonical.RESULTS_DIR.rglob("*") if p.is_file())
     assert total <= 5 * 2**20
+
+
+def test_result_files_are_stored_one_record_per_line():
+    # indented JSON spends a third of the size cap above on whitespace
+    loose = [p.name for p in canonical.RESULTS_DIR.glob("*.json")
+             if p.read_text(encoding="utf-8") != result_file.dumps(json.loads(p.read_text()))]
+    assert loose == [], f"run `python -m benchmarks.result_file` on: {loose}"
+
+
+def test_the_stored_form_reads_back_whole_with_a_line_per_record(tmp_path):
+    doc = {"run": {"command": "x", "machine": {"cpu": "é"}}, "records": [{"a": 1}, {"b": [2, 3]}],
+           "failed": [], "skipped": None}
+    path = tmp_path / "sub" / "r.json"
+    result_file.write(doc, path)
+    text = path.read_text(encoding="utf-8")
+    assert json.loads(text) == doc and not (tmp_path / "sub" / "r.json.tmp").exists()
+    assert text.splitlines() == ['{', '"run":{"command":"x","machine":{"cpu":"é"}},',
+                                 '"records":[', '{"a":1},', '{"b":[2,3]}],', '"failed":[],',
+                                 '"skipped":null', '}']
 
 
 def test_results_md_says_it_is_generated_and_what_speedup_means():
