@@ -10,8 +10,9 @@ seen:
 - above the largest measured knot, along the measured knots' average slope
   (flat while only one knot is known);
 - below the smallest, optimistically (proportional to the rows);
-- the curve never falls as rows grow: a knot dearer than a larger one is a
-  one-off and is left out of the curve.
+- the curve never falls as rows grow: a knot much dearer than a larger one
+  is a one-off and is left out of the curve; knots that differ by less
+  (the noise of a flat stretch) are pooled to their mean.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
+
+
+def pool_violators(ys: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to ``ys`` in least squares: each
+    run of values that falls is replaced by its mean (pool adjacent
+    violators)."""
+    sums: list[float] = []
+    counts: list[int] = []
+    for y in ys:
+        sums.append(float(y))
+        counts.append(1)
+        while len(sums) > 1 and sums[-2] * counts[-1] > sums[-1] * counts[-2]:
+            s, c = sums.pop(), counts.pop()
+            sums[-1] += s
+            counts[-1] += c
+    return np.repeat([s / c for s, c in zip(sums, counts)], counts)
 
 
 class StepCost:
@@ -37,7 +54,8 @@ class StepCost:
     over."""
 
     def __init__(self, max_rows: int = 1 << 16, ratio: float = 2 ** 0.25,
-                 alpha: float = 0.2, stale_after: int = 256, max_rise: float = 2.0) -> None:
+                 alpha: float = 0.2, stale_after: int = 256, max_rise: float = 2.0,
+                 one_off: float = 1.25) -> None:
         knots, r = [1], 1.0
         while knots[-1] < max_rows:
             r *= ratio
@@ -47,6 +65,9 @@ class StepCost:
         self.alpha = alpha
         self.stale_after = stale_after
         self.max_rise = max_rise
+        self.one_off = one_off
+        """A knot dearer than a larger one by more than this factor leaves
+        the curve (``_refresh``); closer knots are pooled."""
         self.value = np.zeros(len(knots))
         self.count = np.zeros(len(knots), dtype=np.int64)
         self.last = np.zeros(len(knots), dtype=np.int64)  # clock when observed
@@ -59,22 +80,30 @@ class StepCost:
         # points instead of selecting them on every read.
         self._fresh = np.flatnonzero((self.count > 1)
                                      & (self.clock - self.last <= self.stale_after))
-        # Verifying more rows never makes a step cheaper, so a knot dearer
-        # than a larger one is a one-off (a stall, a new shape, a warm-up
-        # beside another process) that its size's rare visits do not
-        # correct. Kept, it makes plain decoding look dearer than it is, and
-        # the controller drafts trees that run slower than plain decoding. Such a knot leaves the curve, which is read there
-        # from its consistent neighbours. It is not read at the larger
-        # knot's value instead: plain decoding's rows would then look as
-        # dear as the larger drafted steps, drafting those extra rows would
-        # look free, the gate would never close, and the dear knot would
-        # never be measured again, because the controller would never stop
-        # drafting.
+        # Verifying more rows never makes a step cheaper, so a knot much
+        # dearer than a larger one (``one_off``) is a one-off (a stall, a
+        # new shape, a warm-up beside another process) that its size's rare
+        # visits do not correct. Kept, it makes plain decoding look dearer
+        # than it is and the controller drafts trees that run slower than
+        # plain decoding, so it leaves the curve, which is read there from
+        # its consistent neighbours. It is not read at the larger knot's
+        # value instead: plain decoding would then look as dear as the
+        # larger drafted steps, their extra rows free, and the controller
+        # would never stop drafting to measure the dear knot again.
+        #
+        # Knots closer than that are noise, not one-offs: where a step's
+        # time hardly grows with its rows (a CPU at batch 1, 1 to 6 rows
+        # within a few per cent) their order is chance. Dropping the plain
+        # knot whenever a drafted size read a little cheaper left plain
+        # decoding read proportionally below the smallest kept knot (at 6
+        # rows, a sixth of its cost): no cut beat that, and the gate closed
+        # on drafts that paid. Such knots are pooled to their mean (pool
+        # adjacent violators): the non-decreasing curve nearest to them.
         ys = self.value[self._fresh]
-        ok = ys <= np.minimum.accumulate(ys[::-1])[::-1]
+        ok = ys <= self.one_off * np.minimum.accumulate(ys[::-1])[::-1]
         self._seen = self._fresh[ok]
         self._xs = np.asarray(self.knots, dtype=float)[self._seen]
-        self._ys = ys[ok]
+        self._ys = pool_violators(ys[ok])
 
     def _knot(self, rows: int) -> int:
         i = bisect.bisect_left(self.knots, rows)
