@@ -197,6 +197,12 @@ SERVING: tuple[Run, ...] = (
         "`auto` beside plain decoding and `plain` at the two loads where its gate closes, each "
         "point measured in three passes (every method on a fresh server in each pass). A CPU "
         "without AVX-512: compare its figures only with each other."),
+    Run("serve_sweep_specbench_t07.json",
+        "Serving under load: Spec-Bench, temperature 0.7",
+        "Plain decoding, `plain`, vLLM's `ngram` and `suffix`, `pld`, `suffix_tree` and "
+        "`auto` sampling at temperature 0.7, at 1 to 32 concurrent streams and two Poisson "
+        "request rates, each point measured once. A CPU without AVX-512: compare its figures "
+        "only with each other."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
