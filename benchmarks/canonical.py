@@ -158,6 +158,12 @@ METHOD_RUNS = (
         "`plain`, `pld` and `respec` from the last commit before the runner was split into "
         "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "
         "same methods now, in one paired run: the split must not cost step time."),
+    Run("pld_budget_b1.json", "The cost-aware budget against a pinned budget: pld at batch 1",
+        "`pld` with the budget on (up to 16 tokens) beside `pld@k8` (8 tokens, `cost_aware` "
+        "off, so it drafts what vLLM's `ngram` drafts), `ngram` and `suffix_tree`, QA and "
+        "translation, paired, on a CPU without AVX-512 where a step of 1 to 6 rows costs "
+        "the same within a few per cent. The budget must not cut drafts that pay: its "
+        "step-cost curve pools knots that differ by noise (docs/design.md, \"The cost-aware budget\")."),
 )
 
 VERIFY_COST = (
