@@ -164,6 +164,10 @@ METHOD_RUNS = (
         "translation, paired, on a CPU without AVX-512 where a step of 1 to 6 rows costs "
         "the same within a few per cent. The budget must not cut drafts that pay: its "
         "step-cost curve pools knots that differ by noise (docs/design.md, \"The cost-aware budget\")."),
+    Run("pld_budget_b1_rag.json", "The cost-aware budget at batch 1 on RAG: pld against ngram",
+        "The same check on RAG's long prompts, `pld` with the budget on beside vLLM's `ngram`, "
+        "paired, on the same machine an hour later: compare its figures only with each "
+        "other."),
 )
 
 VERIFY_COST = (
