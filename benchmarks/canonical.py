@@ -85,6 +85,11 @@ HELD_OUT: tuple[Run, ...] = (
         "The batch-1 run on `code_edit` (a standard-library function with a small change to "
         "make; `vllm_specplug/local_suites.py`), measured like the math run above. Nothing "
         "was tuned on it."),
+    Run("all_methods_b1_held_out_doc_qa.json",
+        "Every method, batch 1, held out: questions over documentation",
+        "The batch-1 run on `doc_qa` (a question answered from an installed package's "
+        "description, up to 4,000 characters of it; `vllm_specplug/local_suites.py`), "
+        "measured like the code-editing run above. Nothing was tuned on it."),
 )
 
 SHARED_MACHINE = (" Tau is the figure here: this run shared the machine with another, one core each, "
