@@ -41,9 +41,9 @@ ALL_METHODS: dict[int, tuple[Run, ...]] = {
             "Every specplug method beside vLLM's built-ins (`ngram`, `suffix`, `eagle3`), "
             "plain decoding and `plain` (the plugin's engine drafting nothing), one run per "
             "suite (docs/benchmarks.md, \"Protocol\"): three passes per cell, `auto` "
-            "included, the engines warmed up one at a time, the gate's drafting cost "
-            "trusting a cheaper step at once and no gate verdict before a plain step was "
-            "measured."),
+            "included, each pass of a method that remembers outputs a fresh engine, the "
+            "engines warmed up one at a time. Re-made after the other batch-1 suites, on the "
+            "step-cost curve that pools knots within noise (docs/design.md)."),
         Run("all_methods_b1_specbench_translation.json", "Every method, batch 1: translation",
             "Measured like the QA run above."),
         Run("all_methods_b1_specbench_mt_bench.json", "Every method, batch 1: MT-bench",
