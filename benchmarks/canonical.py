@@ -45,12 +45,17 @@ ALL_METHODS: dict[int, tuple[Run, ...]] = {
             "engines warmed up one at a time. Re-made after the other batch-1 suites, on the "
             "step-cost curve that pools knots within noise (docs/design.md)."),
         Run("all_methods_b1_specbench_translation.json", "Every method, batch 1: translation",
-            "Measured like the QA run above."),
+            "Measured under the QA run's protocol, before"
+            " the step-cost curve pooled knots within noise."),
         Run("all_methods_b1_specbench_mt_bench.json", "Every method, batch 1: MT-bench",
-            "Measured like the QA run above. MT-bench is held out: nothing was tuned on it."),
+            "Measured under the QA run's protocol, before"
+            " the step-cost curve pooled knots within noise. MT-bench is held out: nothing was "
+            "tuned on it."),
         Run("all_methods_b1_specbench_math_reasoning.json",
             "Every method, batch 1: math reasoning",
-            "Measured like the QA run above, with `auto` asking its head per cover level and "
+            "Measured under the QA run's protocol, before"
+            " the step-cost curve pooled knots within noise, with `auto` asking its head per "
+            "cover level and "
             "a cold gate's first 16 verdicts on probation. Math reasoning is held out: "
             "nothing was tuned on it."),
         Run("all_methods_b1_humaneval_odd.json", "Every method, batch 1: HumanEval's odd half",
