@@ -11,7 +11,7 @@
 // float32 tree verification token-identical. Within a block the k loop is
 // cut into chunks of KC with the partial chain parked between chunks -- the
 // same chain, so the same bits -- so that a panel's chunk, read from memory
-// by the first block of rows, is still in L1 for the next blocks of rows.
+// by the first block of rows, is still in cache for the next blocks of rows.
 
 #include <omp.h>
 
@@ -21,15 +21,20 @@
 namespace {
 
 #ifdef __AVX512F__
-constexpr int W = 16;  // floats in one register
-constexpr int MB = 8;  // rows per block: MB x NV accumulators in registers
+constexpr int W = 16;   // floats in one register
+constexpr int MB = 12;  // rows per block: MB x NV accumulators in registers (24 of
+                        // 32; with 8, a 9-12-row step paid a second, latency-bound
+                        // pass over each panel: ~20 % slower at 9-12 rows)
 #else                  // AVX2: 16 registers of 8 floats; 6 x 2 accumulators
 constexpr int W = 8;
 constexpr int MB = 6;
 #endif
 constexpr int NV = 2;            // registers of columns per panel
 constexpr int NP = W * NV;       // columns per panel
-constexpr int64_t KC = 128;      // k per chunk: NP x KC floats stay in L1
+constexpr int64_t KC = 512;      // k per chunk: NP x KC floats stay in L2 for the next
+                                 // block of rows; shorter chunks (128) park and reload
+                                 // every chain more often and cost ~10 % at every row
+                                 // count (AVX-512 and AVX2 alike)
 constexpr int64_t PF = 64;       // k ahead to prefetch: the panel streams in while
                                  // the FMAs run (~5-10 % at 9-17 rows on AVX2)
 constexpr int LINE = 16;         // floats in a cache line: AVX-512's 32-column panel row
