@@ -204,3 +204,54 @@ def test_tree_rows_with_the_backend_kernel(parents, compact, native, monkeypatch
     assert torch.equal(out[:own], kernel[:own])  # the kernel's own rows, untouched
     # the rows recomputed: not what the kernel left there
     assert not torch.allclose(kernel[own:], want[own:], atol=1e-3, equal_nan=True)
+
+
+def test_native_calls_repointed_across_layers():
+    """``cpu_tree_rows`` builds the native kernel's call on a step's first
+    layer and re-points it at each next layer's tensors: every layer's rows
+    equal those of a step that built its call afresh for that layer, and
+    against the reference; a layer laid out otherwise (a query with other
+    strides) gets a call of its own and is right too."""
+    from vllm_specplug.kernels import cpu_tree_attention
+    from vllm_specplug.runner.tree_attention import TreeRow, TreeStep, cpu_tree_rows
+
+    assert cpu_tree_attention.ensure_loaded(), cpu_tree_attention._error
+    g = torch.Generator().manual_seed(5)
+    nb, c, scale = 8, 40, D ** -0.5
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, 0, 0, 1, -1])
+    n = len(tree)
+    mask = torch.from_numpy(tree.ancestor_mask()[1:])
+    blocks = torch.tensor([[0, 0, 0, 0], [6, 1, 4, 0]], dtype=torch.int32)
+
+    def layer():
+        kc, vc = torch.randn(c, HKV, D, generator=g), torch.randn(c, HKV, D, generator=g)
+        cache = paged_cache(kc, vc, blocks[1], nb, BS, "k_transposed")
+        q = torch.randn(2 + n, H, D, generator=g)  # req 0's token, req 1's root + nodes
+        ks, vs = torch.randn(2 + n, HKV, D, generator=g), torch.randn(2 + n, HKV, D, generator=g)
+        return kc, vc, cache, q, ks, vs
+
+    def run(step, kc, vc, cache, q, ks, vs):
+        out = torch.zeros(2 + n, H, D)
+        cpu_tree_rows(step, q, ks, vs, cache, blocks, out, scale, "k_transposed",
+                      all_nodes=True)
+        want = masked_tree_attention(q[2:], kc, vc, ks[1:], vs[1:], mask, scale)
+        torch.testing.assert_close(out[2:], want, atol=1e-5, rtol=1e-5)
+        return out
+
+    def row():
+        return TreeRow(1, n, c, 1, mask, chain_prefix=tree.chain_prefix())
+
+    shared = TreeStep([row()])
+    run(shared, *layer())
+    assert len(shared.native) == 1
+    call = next(iter(shared.native.values()))[0]
+    for _ in range(2):
+        tensors = layer()
+        assert torch.equal(run(shared, *tensors), run(TreeStep([row()]), *tensors))
+        assert next(iter(shared.native.values()))[0] is call  # re-pointed, not rebuilt
+    kc, vc, cache, q, ks, vs = layer()
+    wide = torch.zeros(2 + n, H, 2 * D)[:, :, :D]  # other strides: a call of its own
+    wide.copy_(q)
+    assert torch.equal(run(shared, kc, vc, cache, wide, ks, vs),
+                       run(TreeStep([row()]), kc, vc, cache, q, ks, vs))
+    assert next(iter(shared.native.values()))[0] is call

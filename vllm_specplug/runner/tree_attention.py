@@ -97,6 +97,13 @@ class TreeStep:
     """The step's query start per request, on the host (vLLM's own copy):
     what ``compact_triton_metadata`` rebuilds the request boundaries from
     without reading the device."""
+    native: dict = field(default_factory=dict)
+    """CPU: (tree row, first recomputed node) -> (the native kernel's call as
+    built on the step's first layer, its pointers' offsets from that layer's
+    tensors): ``cpu_tree_rows`` re-points it at every next layer."""
+    native_layout: tuple | None = None
+    """The strides and dtypes of the layer those calls were built on (a
+    layer laid out otherwise builds its own)."""
 
     def compacted(self, meta, build):
         """``build()`` (the backend's metadata with the nodes taken out, or
@@ -335,25 +342,64 @@ def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
     ``compact_cpu_metadata``), else the nodes after the leading chain (the
     backend's causal rows are right for the chain). The native kernel
     (``kernels/cpu_tree_attention``) when it is loaded and applies, else
-    ``paged_tree_attention`` (ATen calls)."""
+    ``paged_tree_attention`` (ATen calls). The kernel's calls are built on
+    the step's first layer and re-pointed at the others' tensors."""
     from vllm_specplug.kernels import cpu_tree_attention as native
 
-    k_cache, v_cache = cpu_split_cache(kv_cache)
-    for r in step.rows:
+    tensors = (query, kv_cache, block_table, key, value, o)
+    layout_now = bases = None
+    k_cache = v_cache = None
+    for idx, r in enumerate(step.rows):
         s, a = r.row_start, 0 if all_nodes else r.chain_prefix
         if a >= r.num_nodes:
             continue
+        kept = step.native.get((idx, a))
+        if kept is not None:
+            if layout_now is None:
+                layout_now = _native_layout(tensors)
+                bases = [t.data_ptr() for t in tensors]
+            if layout_now == step.native_layout:
+                call, offsets = kept
+                q, kc, vc, bt, ks, vs, out = (bases[i] + off for i, off in offsets)
+                if call.run_at(q, kc, vc, bt, ks, vs, out):
+                    continue
+        if k_cache is None:
+            k_cache, v_cache = cpu_split_cache(kv_cache)
         rows = slice(s + 1 + a, s + 1 + r.num_nodes)
-        if native.tree_attention(
-                query[rows], k_cache, v_cache, block_table[r.req_index], r.context_len,
-                key[s : s + 1 + r.num_nodes], value[s : s + 1 + r.num_nodes],
-                r.step_mask_u8()[a:], scale, layout, o[rows]):
+        call = native.prepare(
+            query[rows], k_cache, v_cache, block_table[r.req_index], r.context_len,
+            key[s : s + 1 + r.num_nodes], value[s : s + 1 + r.num_nodes],
+            r.step_mask_u8()[a:], scale, layout, o[rows])
+        if call is not None and call.run():
+            if step.native_layout is None:
+                step.native_layout = _native_layout(tensors)
+            if step.native_layout == (layout_now or step.native_layout):
+                step.native[(idx, a)] = (call, _offsets(call, tensors))
             continue
         paged_tree_attention(
             query[s + 1 + a : s + 1 + r.num_nodes], k_cache, v_cache,
             block_table[r.req_index], r.context_len,
             key[s : s + 1 + r.num_nodes], value[s : s + 1 + r.num_nodes],
             r.step_bias()[a:], scale, layout, out=o[s + 1 + a : s + 1 + r.num_nodes])
+
+
+def _native_layout(tensors) -> tuple:
+    """What must match between two layers for one's kernel call to be
+    re-pointed at the other's tensors."""
+    query, kv_cache = tensors[0], tensors[1]
+    return (query.dtype, kv_cache.dtype, kv_cache.shape, *(t.stride() for t in tensors))
+
+
+_POINTERS = (("q", 0), ("k_cache", 1), ("v_cache", 1), ("block_ids", 2), ("k_step", 3),
+             ("v_step", 4), ("out", 5))
+"""The kernel's pointer arguments, in ``Call.run_at``'s order, and the tensor
+of ``cpu_tree_rows``' ``tensors`` each lies in."""
+
+
+def _offsets(call, tensors) -> tuple[tuple[int, int], ...]:
+    """Each pointer argument of ``call`` as (tensor, byte offset into it)."""
+    return tuple((i, getattr(call.args, name) - tensors[i].data_ptr())
+                 for name, i in _POINTERS)
 
 
 def paged_tree_attention(q, k_cache, v_cache, block_ids, context_len: int,
