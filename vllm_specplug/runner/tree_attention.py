@@ -347,22 +347,21 @@ def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
     from vllm_specplug.kernels import cpu_tree_attention as native
 
     tensors = (query, kv_cache, block_table, key, value, o)
-    layout_now = bases = None
+    layout_now = _native_layout(tensors)
+    if step.native_layout is None:
+        step.native_layout = layout_now
+    reuse = layout_now == step.native_layout
+    bases = [t.data_ptr() for t in tensors] if reuse and step.native else None
     k_cache = v_cache = None
     for idx, r in enumerate(step.rows):
         s, a = r.row_start, 0 if all_nodes else r.chain_prefix
         if a >= r.num_nodes:
             continue
-        kept = step.native.get((idx, a))
+        kept = step.native.get((idx, a)) if reuse else None
         if kept is not None:
-            if layout_now is None:
-                layout_now = _native_layout(tensors)
-                bases = [t.data_ptr() for t in tensors]
-            if layout_now == step.native_layout:
-                call, offsets = kept
-                q, kc, vc, bt, ks, vs, out = (bases[i] + off for i, off in offsets)
-                if call.run_at(q, kc, vc, bt, ks, vs, out):
-                    continue
+            call, offsets = kept
+            if call.run_at(*(bases[i] + off for i, off in offsets)):
+                continue
         if k_cache is None:
             k_cache, v_cache = cpu_split_cache(kv_cache)
         rows = slice(s + 1 + a, s + 1 + r.num_nodes)
@@ -371,9 +370,7 @@ def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
             key[s : s + 1 + r.num_nodes], value[s : s + 1 + r.num_nodes],
             r.step_mask_u8()[a:], scale, layout, o[rows])
         if call is not None and call.run():
-            if step.native_layout is None:
-                step.native_layout = _native_layout(tensors)
-            if step.native_layout == (layout_now or step.native_layout):
+            if reuse:
                 step.native[(idx, a)] = (call, _offsets(call, tensors))
             continue
         paged_tree_attention(
