@@ -102,8 +102,8 @@ class TreeStep:
     built on the step's first layer, its pointers' offsets from that layer's
     tensors): ``cpu_tree_rows`` re-points it at every next layer."""
     native_layout: tuple | None = None
-    """The strides and dtypes of the layer those calls were built on (a
-    layer laid out otherwise builds its own)."""
+    """The dtypes, cache shape and strides of the layer those calls were
+    built on (``_native_layout``; a layer laid out otherwise builds its own)."""
 
     def compacted(self, meta, build):
         """``build()`` (the backend's metadata with the nodes taken out, or
@@ -374,10 +374,9 @@ def cpu_tree_rows(step: TreeStep, query, key, value, kv_cache, block_table, o,
                 step.native[(idx, a)] = (call, _offsets(call, tensors))
             continue
         paged_tree_attention(
-            query[s + 1 + a : s + 1 + r.num_nodes], k_cache, v_cache,
-            block_table[r.req_index], r.context_len,
+            query[rows], k_cache, v_cache, block_table[r.req_index], r.context_len,
             key[s : s + 1 + r.num_nodes], value[s : s + 1 + r.num_nodes],
-            r.step_bias()[a:], scale, layout, out=o[s + 1 + a : s + 1 + r.num_nodes])
+            r.step_bias()[a:], scale, layout, out=o[rows])
 
 
 def _native_layout(tensors) -> tuple:
