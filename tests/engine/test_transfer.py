@@ -1,6 +1,6 @@
 """Host<->device copies (``engine/transfer.py``) and the greedy acceptance
-the host predicts (``engine/verify.greedy_accepted``), checked against
-vLLM's own rejection sampler."""
+and output the host predicts (``engine/verify.greedy_accepted``,
+``greedy_output``), checked against vLLM's own rejection sampler."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from vllm_specplug.engine import transfer
 from vllm_specplug.engine.tree import DraftTree
-from vllm_specplug.engine.verify import choose_paths, greedy_accepted
+from vllm_specplug.engine.verify import choose_paths, greedy_accepted, greedy_output
 
 
 def test_read_back_packs_mixed_dtypes_and_shapes_in_one_copy(monkeypatch):
@@ -53,8 +53,9 @@ def test_read_back_on_the_host_is_free():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_accepted_is_what_vllms_rejection_sampler_accepts(seed):
-    """Random trees and chains over random logits: the host's count equals
-    vLLM's greedy verdict on the chosen paths, verified as chains."""
+    """Random trees and chains over random logits: the host's count, and the
+    output it reads from the argmax rows, equal vLLM's greedy verdict on the
+    chosen paths, verified as chains."""
     from vllm.platforms import current_platform
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
@@ -103,3 +104,20 @@ def test_greedy_accepted_is_what_vllms_rejection_sampler_accepts(seed):
     out = RejectionSampler(Sampler())(meta, None, logits[gather], sm)
     verdict = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
     assert predicted == verdict
+    # the whole output, read on the host: same tokens, padding, shape, dtype
+    tokens, accepted = greedy_output(chosen.paths, drafts, base, argmax)
+    assert accepted == verdict
+    want = out.sampled_token_ids
+    assert tokens.dtype == np.int32 and want.dtype == torch.int32
+    assert tokens.tolist() == want.tolist()
+
+
+def test_greedy_output_of_walks_stopped_at_their_roots_is_each_roots_argmax():
+    """No path at all: one token per request, the argmax of its root row
+    (what vLLM's plain sampler gives on the root rows)."""
+    logits = torch.randn(7, 11, generator=torch.Generator().manual_seed(3))
+    base = np.array([0, 3, 5])
+    drafts = [[1, 2], [4], [6]]
+    tokens, accepted = greedy_output([[], [], []], drafts, base, logits.argmax(-1).tolist())
+    assert accepted == [0, 0, 0]
+    assert tokens.tolist() == [[int(logits[r].argmax())] for r in base]

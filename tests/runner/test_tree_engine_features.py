@@ -1,6 +1,6 @@
 """Tree verification under the engine features a server uses: prefix
-caching, chunked prefill, preemption; and the sampling distribution
-end to end."""
+caching, chunked prefill, preemption, logprobs; and the sampling
+distribution end to end."""
 
 from __future__ import annotations
 
@@ -59,6 +59,33 @@ def test_preemption(tiny_model, reference):
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["preempted"] > 0
     assert got == outs
+
+
+@pytest.mark.parametrize("tree_size", [10, 1], ids=["trees", "chains"])
+def test_greedy_verdicts_skip_vllms_sampler_only_where_exact(tiny_model, reference,
+                                                            monkeypatch, tree_size):
+    """All-greedy tree and chain steps take vLLM's verdict from the host
+    (``engine/verify.greedy_output``) and never run its rejection sampler;
+    asking for logprobs sends every drafted step through it. Plain
+    decoding's tokens either way."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    calls = []
+    forward = RejectionSampler.forward
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(RejectionSampler, "forward", counted)
+    prompts, outs, ref_file = reference
+    with engine(tiny_model, {**_spec(ref_file), "tree_size": tree_size}) as llm:
+        assert greedy(llm, prompts, MAX_TOKENS) == outs
+        assert not calls
+        drafted = llm.collective_rpc("specplug_stats")[0]["drafts"]
+        assert greedy(llm, prompts[:4], MAX_TOKENS, logprobs=2) == outs[:4]
+        assert calls
+        assert llm.collective_rpc("specplug_stats")[0]["drafts"] > drafted > 0
 
 
 def _sample(llm, prompt, n, seed0, max_tokens=3):

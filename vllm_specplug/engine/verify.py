@@ -23,7 +23,8 @@ per internal node from each request's own generator (``ChildDraws``, still
 on the device, so the runner reads them back in the same copy as the argmax
 rows); ``choose_paths`` then walks the trees on the host, and
 ``greedy_accepted`` says on the host what vLLM's greedy rejection rule will
-accept of each chosen path. ``q`` is kept sparse (children ids and
+accept of each chosen path (``greedy_output``: and what it will output, so
+an all-greedy step need not run it). ``q`` is kept sparse (children ids and
 probabilities) until ``draft_probs_tensor`` writes vLLM's dense
 ``[path tokens, vocab]`` draft-probability input with one scatter.
 ``child_draws_chunked`` makes the sampled rows' probabilities a chunk of
@@ -278,6 +279,27 @@ def greedy_accepted(paths: list[list[int]], drafts: list[list[int]], row_base,
             row = int(row_base[i]) + 1 + j
         out.append(n)
     return out
+
+
+def greedy_output(paths: list[list[int]], drafts: list[list[int]], row_base,
+                  argmax: list[int]) -> tuple[np.ndarray, list[int]]:
+    """What vLLM's greedy rejection sampler outputs for the chosen paths,
+    read from the argmax rows on the host: per request the accepted draft
+    tokens (``greedy_accepted``), then the argmax of the row after the last
+    one (the correction where a draft missed, the bonus where none did),
+    padded with -1 to ``[requests, longest path + 1]`` int32, its layout.
+    Returns that array and the accepted counts. Exact where nothing changes
+    the rows the sampler reads, bonus rows included (the caller checks).
+    Pure host code."""
+    accepted = greedy_accepted(paths, drafts, row_base, argmax)
+    width = max((len(p) for p in paths), default=0) + 1
+    out = np.full((len(paths), width), -1, dtype=np.int32)
+    for i, path in enumerate(paths):
+        n = accepted[i]
+        last_row = int(row_base[i]) + (1 + path[n - 1] if n else 0)
+        out[i, :n] = [drafts[i][j] for j in path[:n]]
+        out[i, n] = argmax[last_row]
+    return out, accepted
 
 
 def draft_probs_tensor(q_rows, vocab: int, device) -> torch.Tensor:

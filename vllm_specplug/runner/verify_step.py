@@ -18,7 +18,10 @@ draws together, before the paths are chosen. The draft tokens are vLLM's
 host copy, and where every request is greedy and nothing changes the rows
 vLLM's verifier reads, how much of each path it accepts is known on the
 host (``engine/verify.greedy_accepted``) and its output is not read back;
-otherwise it is, once.
+otherwise it is, once. Where, besides, no logprobs are asked and no logits
+processor could move a bonus row, the host makes vLLM's whole output
+(``engine/verify.greedy_output``) and its sampler does not run: on a
+small CPU its fixed cost is a visible share of a step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ import dataclasses
 import numpy as np
 import torch
 
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.structured_output.utils import strip_speculative_padding
 
@@ -37,6 +45,7 @@ from vllm_specplug.engine.verify import (
     choose_paths,
     draft_probs_tensor,
     greedy_accepted,
+    greedy_output,
     relaxed_path,
 )
 from vllm_specplug.request_flags import wants_relaxed
@@ -77,6 +86,12 @@ def path_chain_metadata(paths, drafts, row_base, device):
         logits_indices=t(np.arange(len(gather))),
     )
     return meta, to_device(gather, torch.long, device), tokens
+
+
+# vLLM's own logits processors that can move an argmax: each acts only for a
+# request with a setting that ``_chain_only`` refuses (min_tokens,
+# logit_bias), so with none of those they leave every row as it is.
+_VLLM_ARGMAX_MOVERS = (LogitBiasLogitsProcessor, MinTokensLogitsProcessor)
 
 
 def _no_draft_at_all(meta: SpecDecodeMetadata | None, sampling_metadata) -> bool:
@@ -204,15 +219,10 @@ class VerifyMixin:
                     state.accepted_rows[i] = [0]
                 self._sp_stats.record_chains([0] * n_reqs, [1] * n_reqs)
             elif spec_decode_metadata is None or not state.trees:
-                out = super()._sample(logits, spec_decode_metadata)
-                if spec_decode_metadata is not None:
-                    acc = (out.sampled_token_ids != -1).sum(-1).tolist()
-                    for i, a in enumerate(acc):
-                        state.accepted_rows[i] = list(range(max(a, 1)))
-                    self._sp_stats.record_chains(
-                        [_num_real(d) for d in _drafts_per_request(spec_decode_metadata,
-                                                                   state.drafts)],
-                        acc)
+                if spec_decode_metadata is None:
+                    out = super()._sample(logits, None)
+                else:
+                    out = self._sp_sample_chains(logits, spec_decode_metadata, state)
             else:
                 out = self._sp_sample_trees(logits, spec_decode_metadata, state)
         finally:
@@ -231,6 +241,44 @@ class VerifyMixin:
             self._sp_entropy(logits, state)
         return out
 
+    def _sp_sample_chains(self, logits, meta: SpecDecodeMetadata, state: StepState):
+        """A step whose drafts are all chains: vLLM's verifier, or its
+        output read on the host where that is exact (``_sp_greedy_on_host``)."""
+        drafts = _drafts_per_request(meta, state.drafts)
+        if self._sp_greedy_on_host():
+            argmax, _ = _path_inputs(logits, True, None)
+            paths = [list(range(len(d))) for d in drafts]
+            out, accepted = self._sp_host_output(paths, drafts, state.logit_base, argmax,
+                                                 logits.device)
+            emitted = [n + 1 for n in accepted]
+        else:
+            out = super()._sample(logits, meta)
+            emitted = (out.sampled_token_ids != -1).sum(-1).tolist()
+        for i, n in enumerate(emitted):
+            state.accepted_rows[i] = list(range(max(n, 1)))
+        self._sp_stats.record_chains([_num_real(d) for d in drafts], emitted)
+        return out
+
+    def _sp_host_output(self, paths, drafts, base, argmax, device):
+        """vLLM's greedy verdict on ``paths``, made on the host
+        (``engine/verify.greedy_output``): the output and accepted counts."""
+        tokens, accepted = greedy_output(paths, drafts, base, argmax)
+        return SamplerOutput(to_device(tokens, torch.int32, device), None), accepted
+
+    def _sp_greedy_on_host(self) -> bool:
+        """Whether vLLM's verifier would output exactly what the host reads
+        from the argmax rows, so that its sampler need not run (a visible
+        share of a small CPU step): every request greedy, no logprobs asked,
+        the rows it reads raw (``_sp_verifier_reads_raw_rows``) and no logits
+        processor the server added, which could move a bonus row's argmax
+        (vLLM's own act only through settings ``_chain_only`` refuses)."""
+        sm = self.input_batch.sampling_metadata
+        return (sm.all_greedy and sm.max_num_logprobs is None
+                and not getattr(sm, "logprob_token_ids", None)
+                and all(isinstance(p, _VLLM_ARGMAX_MOVERS)
+                        for p in sm.logitsprocs.non_argmax_invariant)
+                and self._sp_verifier_reads_raw_rows())
+
     def _sp_sample_trees(self, logits, meta: SpecDecodeMetadata, state: StepState):
         sm = self.input_batch.sampling_metadata
         n_draft = meta.num_draft_tokens
@@ -248,6 +296,11 @@ class VerifyMixin:
         relaxed = {}
         if self._sp_needs.relaxed is not None:
             relaxed = self._sp_relax(state, drafts, greedy, chosen, logits)
+        if argmax is not None and not relaxed and self._sp_greedy_on_host():
+            out, accepted = self._sp_host_output(chosen.paths, drafts, base, argmax,
+                                                 logits.device)
+            self._sp_finish_trees(state, chosen.paths, drafts, accepted)
+            return out
         path_meta, gather, path_tokens = path_chain_metadata(
             chosen.paths, drafts, base, logits.device
         )
@@ -282,12 +335,16 @@ class VerifyMixin:
             accepted = greedy_accepted(chosen.paths, drafts, base, argmax)
         else:
             accepted = ((out.sampled_token_ids != -1).sum(-1) - 1).clamp(min=0).tolist()
-        self._sp_move_kv(state, chosen.paths, accepted)
-        for i, path in enumerate(chosen.paths):
+        self._sp_finish_trees(state, chosen.paths, drafts, accepted)
+        return out
+
+    def _sp_finish_trees(self, state: StepState, paths, drafts, accepted) -> None:
+        """The accepted paths' K/V moved, their rows and counts recorded."""
+        self._sp_move_kv(state, paths, accepted)
+        for i, path in enumerate(paths):
             state.accepted_rows[i] = [0] + [1 + j for j in path[: accepted[i]]]
         self._sp_stats.record_trees([_num_real(d) for d in drafts], accepted,
                                     state.trees)
-        return out
 
     def _sp_verifier_reads_raw_rows(self) -> bool:
         """vLLM's greedy verifier takes the argmax of the very rows the paths
