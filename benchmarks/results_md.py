@@ -708,24 +708,33 @@ def _best_single(cells: dict, suite: str, figure, kind: str = "specplug",
     return name, value
 
 
+def _suite_groups() -> list[tuple[int, str, dict]]:
+    """(batch, note after the suite's name, best cells) for each headline
+    batch size, then the held-out runs (batch 1)."""
+    groups = [(b, "", best_cells(b)) for b in sorted(C.ALL_METHODS)]
+    if C.HELD_OUT:
+        groups.append((1, " (held out)", best_cells(1, C.HELD_OUT)))
+    return groups
+
+
 def auto_block(link: str) -> str:
     """``auto`` against the best single specplug method of each suite and
-    batch size, on tau and on speculation speedup (its targets: 0.97x)."""
-    batches = sorted(C.ALL_METHODS)
-    cells = {b: best_cells(b) for b in batches}
-    if not any(m == "auto" for b in batches for m, _ in cells[b]):
+    batch size, held-out work included, on tau and on speculation speedup
+    (its targets: 0.97x)."""
+    groups = _suite_groups()
+    if not any(m == "auto" for _, _, cells in groups for m, _ in cells):
         return f"`auto` is not in the all-methods runs yet; see [RESULTS.md]({link})."
     lines = ["| batch | suite | tau | best single (tau) | ratio | speculation speedup "
              "| best single (speculation speedup) | ratio |", "|---" * 8 + "|"]
-    for b in batches:
-        for s in dict.fromkeys(s for _, s in cells[b]):
-            rec = cells[b].get(("auto", s), (None, False))[0]
-            row = [str(b), s]
+    for b, note, cells in groups:
+        for s in dict.fromkeys(s for _, s in cells):
+            rec = cells.get(("auto", s), (None, False))[0]
+            row = [str(b), s + note]
             if not _ok(rec):
                 lines.append("| " + " | ".join(row + ["–"] * 6) + " |")
                 continue
             for figure in (record_tau, _speculation):
-                mine, best = figure(rec), _best_single(cells[b], s, figure)
+                mine, best = figure(rec), _best_single(cells, s, figure)
                 row.append(_f(mine))
                 row.append("–" if best is None else f"{best[0]} ({best[1]:.2f})")
                 row.append("–" if best is None or mine is None else f"{mine / best[1]:.2f}")
@@ -741,9 +750,7 @@ def versus_block(link: str | None) -> str:
     """Per suite and batch size, the best specplug method against the best
     of vLLM's built-ins on speculation speedup (each against its own
     engine drafting nothing), the headline runs and the held-out ones."""
-    groups = [(b, "", best_cells(b)) for b in sorted(C.ALL_METHODS)]
-    if C.HELD_OUT:
-        groups.append((1, " (held out)", best_cells(1, C.HELD_OUT)))
+    groups = _suite_groups()
     lines = ["| batch | suite | best specplug: speculation speedup (tau) | best built-in: "
              "speculation speedup (tau) | ratio |", "|---" * 5 + "|"]
     for batch, note, cells in groups:

@@ -135,18 +135,24 @@ def test_a_canonical_run_split_into_whole_runs_over_disjoint_suites(monkeypatch)
 
 def test_auto_is_held_against_the_best_single_method_per_suite(monkeypatch):
     monkeypatch.setattr(canonical, "ALL_METHODS", {1: (canonical.Run("a.json", "t", ""),)})
+    monkeypatch.setattr(canonical, "HELD_OUT", (canonical.Run("h.json", "held", ""),))
+    held = [_v2("pld", "specplug", suite="chat", tau=1.7, speculation_speedup=1.4),
+            _v2("auto", "specplug", suite="chat", tau=2.8, speculation_speedup=1.7)]
     records = [_v2("none", "baseline", tau=1.0),
                _v2("plain", "specplug", tau=1.0, speculation_speedup=1.0),
                _v2("ngram", "vllm", tau=3.0, speculation_speedup=2.0),  # built-in: left out
                _v2("pld", "specplug", tau=1.6, speculation_speedup=1.4),
                _v2("reader", "specplug", tau=2.0, speculation_speedup=1.2),
                _v2("auto", "specplug", tau=2.2, speculation_speedup=1.33)]
-    docs = {"a.json": {"schema_version": 2, "records": records}}
+    docs = {"a.json": {"schema_version": 2, "records": records},
+            "h.json": {"schema_version": 2, "records": held}}
     monkeypatch.setattr(canonical, "load", docs.__getitem__)
     lines = results_md.auto_block("R.md").splitlines()
     # tau led by reader, speed by pld: each ratio against its own leader
     assert lines[2] == "| 1 | s | 2.20 | reader (2.00) | 1.10 | 1.33 | pld (1.40) | 0.95 |"
+    assert lines[3] == "| 1 | chat (held out) | 2.80 | pld (1.70) | 1.65 | 1.70 | pld (1.40) | 1.21 |"
     docs["a.json"]["records"] = records[:-1]
+    docs["h.json"]["records"] = held[:-1]
     assert results_md.auto_block("R.md").startswith("`auto` is not in the all-methods runs")
 
 
