@@ -33,8 +33,9 @@ class Run:
     reruns: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 
-# The batch-1 runs other than QA and translation predate the step-cost curve's
-# pooling of knots within noise (docs/design.md); those two were re-made after it.
+# The batch-1 runs other than QA, translation and HumanEval's odd half predate
+# the step-cost curve's pooling of knots within noise (docs/design.md); those
+# three were made after it.
 BEFORE_COST_FIX = ("Measured under the QA run's protocol, before the step-cost curve pooled "
                    "knots within noise")
 
@@ -61,7 +62,8 @@ ALL_METHODS: dict[int, tuple[Run, ...]] = {
             "gate's first 16 verdicts on probation. Math reasoning is held out: nothing was "
             "tuned on it."),
         Run("all_methods_b1_humaneval_odd.json", "Every method, batch 1: HumanEval's odd half",
-            "Measured like the math run above."),
+            "Measured like the QA run above, re-made on a later commit: greedy verdicts "
+            "taken from the host without vLLM's rejection sampler (docs/design.md)."),
         Run("all_methods_b1_specbench_summarization.json",
             "Every method, batch 1: summarization",
             "Measured like the math run above, with the EAGLE-3 head expanding only the "
