@@ -179,9 +179,10 @@ def test_memory_gauges_report_the_structures():
 
 
 @pytest.mark.parametrize("screen", [True, False])
-def test_a_screened_lm_head_gets_no_packed_copy(screen):
-    # the engine's GEMM kernels keep a packed copy of each weight they take;
-    # a screened LM head is read by rows only, so its copy would be waste
+def test_only_the_layers_drafting_runs_get_a_packed_copy(screen):
+    # the engine's GEMM kernels keep a packed copy of each weight they take:
+    # the checkpoint's separate q/k/v/gate/up never run once fused, and a
+    # screened LM head is read by rows only, so their copies would be waste
     packed: list[torch.nn.Linear] = []
 
     def prepare(module: torch.nn.Module) -> int:
@@ -189,8 +190,9 @@ def test_a_screened_lm_head_gets_no_packed_copy(screen):
         return 0
 
     prop = _proposer(prepare, screen_lm_head=screen)
-    head = prop.runtime.head
-    assert (prop.runtime.screen is not None) == screen
-    every = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
-    assert sorted(map(id, packed)) == sorted(
-        id(m) for m in every if not (screen and m is head.lm_head))
+    rt = prop.runtime
+    head, ml = rt.head, rt.head.midlayer
+    assert (rt.screen is not None) == screen
+    runs = [head.fc, rt.layer.qkv_proj, ml.self_attn.o_proj, rt.layer.gate_up_proj,
+            ml.mlp.down_proj] + ([] if screen else [head.lm_head])
+    assert sorted(map(id, packed)) == sorted(map(id, runs))

@@ -1,6 +1,7 @@
 """The EAGLE-3 head at serving time: per-request K/V state and tree drafting.
 
-Pure torch (no vLLM). The head's math is :class:`~.model.Eagle3Draft`'s; what
+Pure torch (no vLLM). The head's math is :class:`~.model.Eagle3Draft`'s, its
+decoder layer run in the fused form of :class:`~.draft_layer.DraftLayer`; what
 this module adds is the incremental bookkeeping that its ``chain()`` (the slow
 reference, which recomputes the whole prefix per call) does not have:
 
@@ -65,6 +66,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vllm_specplug.eagle3.draft_layer import DraftLayer
 from vllm_specplug.eagle3.model import Eagle3Draft
 from vllm_specplug.eagle3.screen import ScreenedLogits
 from vllm_specplug.sources.template import TreeTemplate
@@ -176,6 +178,10 @@ class Eagle3Runtime:
         ``screen_lm_head``: rank each level's tokens with the LM head's int8
         screen (``eagle3/screen.py``; CPU float32 heads only)."""
         self.head = head.eval()
+        self.layer = DraftLayer(self.head)
+        """The head's decoder layer in drafting's fused form (its linear
+        layers are the ones to prepare for a fast GEMM, with ``fc`` and an
+        unscreened ``lm_head``)."""
         self.screen = (ScreenedLogits.build(head.lm_head, head.norm) if screen_lm_head
                        else None)
         attn = head.midlayer.self_attn
@@ -450,7 +456,7 @@ class Eagle3Runtime:
                                dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(p, p + n) for _, p, n, _, _ in work]).to(self.device)
         hid = h.fc(torch.cat([a for *_, a in work]).to(self.device, self.dtype))
-        q, k, v = h._qkv(toks, hid, pos)
+        q, k, v = self.layer.qkv(toks, hid, pos)
         starts = np.concatenate([[0], np.cumsum([w[2] for w in work])])
         for i, (st, p, n, _, _) in enumerate(work):
             st.k[p:p + n] = k[starts[i]:starts[i + 1]]
@@ -487,7 +493,7 @@ class Eagle3Runtime:
             ob = _attend(qb, [(*_kv_layout(kb, vb), mask)], self.scale)
             for b, i in enumerate(g):
                 att[starts[i]:starts[i + 1]] = ob[b, :work[i][2]]
-        out = h._post(att, hid)
+        out = self.layer.post(att, hid)
         for i, (st, _, _, tokens, _) in enumerate(work):
             st.out = out[starts[i + 1] - 1].clone()
             self._store_blocks(st, tokens)
@@ -652,13 +658,13 @@ class Eagle3Runtime:
         """One head pass over the next frontier's rows: each attends to its
         request's context and to its own ancestors in the tree; ``front``
         moves on to them."""
-        h, dev = self.head, self.device
+        dev = self.device
         bsz, k_new = kids.nxt.shape
         f_tok = kids.tok.gather(1, kids.nxt)
         out = front.out
         f_hid = out.gather(1, kids.nxt_row[..., None].expand(-1, -1, out.shape[-1]))
         pos = (ctx.n[:, None] + (d - 1)).expand(-1, k_new).reshape(-1)
-        q, k, v = h._qkv(f_tok.reshape(-1), f_hid.reshape(bsz * k_new, -1), pos)
+        q, k, v = self.layer.qkv(f_tok.reshape(-1), f_hid.reshape(bsz * k_new, -1), pos)
         q = q.view(bsz, k_new, *q.shape[1:])
         k = k.view(bsz, k_new, *k.shape[1:])
         v = v.view(bsz, k_new, *v.shape[1:])
@@ -674,8 +680,8 @@ class Eagle3Runtime:
             front.tree_v = torch.cat([front.tree_v, v], dim=1)
         att = _attend(q, [(ctx.k, ctx.v, ctx.mask.expand(-1, k_new, -1)),
                           (*_kv_layout(front.tree_k, front.tree_v), front.anc)], self.scale)
-        front.out = h._post(att.reshape(bsz * k_new, *att.shape[2:]),
-                            f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
+        front.out = self.layer.post(att.reshape(bsz * k_new, *att.shape[2:]),
+                                    f_hid.reshape(bsz * k_new, -1)).view(bsz, k_new, -1)
         self.stats.head_rows += int(front.alive.sum()) * k_new
         self.stats.head_passes += 1
         front.score = kids.nxt_score

@@ -87,7 +87,7 @@ class ScreenedLogits:
         screen's misses and its error in the normaliser."""
         shape = prenorm.shape[:-1]
         rows = prenorm.reshape(-1, prenorm.shape[-1]).float()
-        rows = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + self.eps)
+        rows = F.rms_norm(rows, (rows.shape[-1],), eps=self.eps)
         approx = self.int8(rows)  # [n, vocab]
         keep = min(max(self.screen, 2 * k), approx.shape[-1])
         cand = approx.topk(keep, dim=-1, sorted=False).indices  # [n, s]

@@ -184,11 +184,15 @@ class Eagle3Drafter(Proposer):
             else config.max_total_kv_mib * MIB,
             screen_lm_head=config.screen_lm_head and ctx.device.type == "cpu")
         if ctx.prepare_linears is not None:  # the engine's GEMM kernels: 3-4x on CPU
-            for part in head.children():
-                # a screened LM head is read by rows only: a packed copy of it
-                # would cost its weight's size again and never run
-                if not (part is head.lm_head and self.runtime.screen is not None):
-                    ctx.prepare_linears(part)
+            # the layers drafting runs: the fused decoder layer's, not the
+            # checkpoint's separate q/k/v/gate/up (packed copies of those would
+            # cost their size again and never run); a screened LM head is
+            # read by rows only, so it is not packed either
+            parts = [head.fc, self.runtime.layer]
+            if self.runtime.screen is None:
+                parts.append(head.lm_head)
+            for part in parts:
+                ctx.prepare_linears(part)
         self.runtime.warm_up(config.depth, config.topk)
         self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
