@@ -253,6 +253,12 @@ SERVING: tuple[Run, ...] = (
         "held-out ShareGPT prompts, beside plain decoding and `plain` measured in the same "
         "run, at 1 to 32 concurrent streams (no request-rate points), each point measured "
         "once. Another day than the sweeps above: compare its figures only with each other."),
+    Run("serve_sweep_sharegpt_t07.json",
+        "Serving under load: real chat (ShareGPT), temperature 0.7",
+        "Plain decoding, `plain`, vLLM's `ngram` and `suffix`, `suffix_tree` and `auto` "
+        "sampling at temperature 0.7 on the held-out ShareGPT prompts, at 1 to 32 concurrent "
+        "streams (no request-rate points), each point measured once. Another day than the "
+        "sweeps above: compare its figures only with each other."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
