@@ -3,10 +3,12 @@
 :class:`Eagle3Draft` keeps the checkpoint's layout (separate q, k, v, gate
 and up projections, each RMS norm its own module, rotary angles computed
 from the positions on every call) because training and vLLM's loader need
-it. A drafting level runs that layer on a handful of rows, where a CPU's
-time goes to the number of operations rather than to their arithmetic: the
-training forward issues about forty of them for q/k/v alone. This module
-computes the same function with
+it. A drafting level runs that layer on a handful of rows, where a CPU
+spends much of its time per operation rather than on arithmetic: the
+training forward issues about forty of them for q/k/v alone. (The other
+floor is the weights' bytes: after a target step they are out of the
+cache, and a pass reads all of them whatever the number of operations.)
+This module computes the same function with
 
 * one GEMM for q, k and v, and one for the MLP's gate and up projections;
 * the RMS norms' weights folded into the columns of the GEMM after them,
