@@ -66,23 +66,18 @@ class DraftLayer(nn.Module):
         self.gate_up_proj = _fused_linear([mlp.gate_proj.weight, mlp.up_proj.weight],
                                           ml.post_attention_layernorm.weight)
         self.down_proj = mlp.down_proj
-        self.inv_freq = head.inv_freq
-        self.attn_scaling = head.attn_scaling
-        self._cos = self._sin = self.inv_freq.new_empty(0, self.hd)
+        self._angles = head.rope_cos_sin
+        self._cos = self._sin = head.inv_freq.new_empty(0, self.hd)
 
     def _rotary(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, signed sin)`` rows of ``pos``, each ``[T, 1, hd]``."""
         upto = int(pos.max()) + 1 if pos.numel() else 0
         if upto > self._cos.shape[0]:
             rows = max(upto, 2 * self._cos.shape[0], self.ROPE_ROWS)
-            # the same float32 angles as Eagle3Draft._rope computes per call
-            freqs = (torch.arange(rows, device=self.inv_freq.device, dtype=torch.float32)
-                     [:, None] * self.inv_freq[None, :])
-            emb = torch.cat((freqs, freqs), dim=-1)
-            half = self.hd // 2
-            sin = emb.sin() * self.attn_scaling
-            sin[:, :half].neg_()  # rotate_half(x) * sin == roll(x) * signed sin
-            self._cos, self._sin = emb.cos() * self.attn_scaling, sin
+            # the head's own angles, the ones its training forward computes per call
+            cos, sin = self._angles(torch.arange(rows, device=self._cos.device))
+            sin[:, :self.hd // 2].neg_()  # rotate_half(x) * sin == roll(x) * signed sin
+            self._cos, self._sin = cos, sin
         return self._cos[pos][:, None, :], self._sin[pos][:, None, :]
 
     def qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):

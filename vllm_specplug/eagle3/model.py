@@ -252,13 +252,17 @@ class Eagle3Draft(nn.Module):
 
     # -- forward pieces ---------------------------------------------------------
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # x: [T, n, hd], pos: [T]
+    def rope_cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles at ``pos [T]``, each ``[T, hd]``,
+        the attention scaling applied."""
         freqs = pos.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attn_scaling)[:, None, :]
-        sin = (emb.sin() * self.attn_scaling)[:, None, :]
-        return x * cos + _rotate_half(x) * sin
+        return emb.cos() * self.attn_scaling, emb.sin() * self.attn_scaling
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x: [T, n, hd], pos: [T]
+        cos, sin = self.rope_cos_sin(pos)
+        return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
     def _qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
         ml = self.midlayer
