@@ -185,7 +185,7 @@ def test_only_the_layers_drafting_runs_get_a_packed_copy(screen):
     # screened LM head is read by rows only, so their copies would be waste
     packed: list[torch.nn.Linear] = []
 
-    def prepare(module: torch.nn.Module) -> int:
+    def prepare(module: torch.nn.Module, weight_dtype=None) -> int:
         packed.extend(m for m in module.modules() if isinstance(m, torch.nn.Linear))
         return 0
 
@@ -196,3 +196,23 @@ def test_only_the_layers_drafting_runs_get_a_packed_copy(screen):
     runs = [head.fc, rt.layer.qkv_proj, ml.self_attn.o_proj, rt.layer.gate_up_proj,
             ml.mlp.down_proj] + ([] if screen else [head.lm_head])
     assert sorted(map(id, packed)) == sorted(map(id, runs))
+
+
+@pytest.mark.parametrize("choice", ["float32", "bfloat16", "auto"])
+def test_the_head_gemm_dtype_reaches_the_engines_kernels(choice, monkeypatch):
+    from vllm_specplug.sources import eagle3_drafter
+
+    asked: list = []
+
+    def prepare(module: torch.nn.Module, weight_dtype=None) -> int:
+        asked.append(weight_dtype)
+        return 0
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    _proposer(prepare, head_gemm_dtype=choice)
+    want = torch.bfloat16 if choice == "bfloat16" else torch.float32  # auto: no bf16 here
+    assert asked and set(asked) == {want}
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert eagle3_drafter.head_gemm_dtype("auto") == torch.bfloat16
+    assert eagle3_drafter.head_gemm_dtype("float32") == torch.float32

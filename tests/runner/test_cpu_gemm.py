@@ -23,6 +23,28 @@ def test_routed_linears_compute_what_torch_computes():
     assert net[2].weight.shape == (12288, 1536)
 
 
+def test_bfloat16_weights_compute_the_rounded_weights_product():
+    # a drafter asking for bfloat16 weights gets what a bfloat16 GEMM of its
+    # inputs and weights gives, returned in float32; the float32 weights
+    # stay the layer's (state dicts, training)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.SiLU(),
+                              torch.nn.Linear(1536, 960, bias=True))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    assert prepare_cpu_linears(net, weight_dtype=torch.bfloat16) == 2
+    assert net.state_dict().keys() == before.keys()
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+    for x in (torch.randn(1, 576), torch.randn(10, 576), torch.randn(2, 5, 576)):
+        got = net(x)
+        assert got.dtype == torch.float32 and got.shape == (*x.shape[:-1], 960)
+        h = x.bfloat16().float() @ before["0.weight"].bfloat16().float().T
+        h = torch.nn.functional.silu(h.bfloat16().float())
+        want = (h.bfloat16().float() @ before["2.weight"].bfloat16().float().T
+                + before["2.bias"].bfloat16().float())
+        # bfloat16 keeps 8 bits of mantissa: outputs within a few of its steps
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+
+
 def test_only_a_specplug_load_routes_to_the_linear_kernel(monkeypatch):
     """Inside ``cpu_linear_routing`` (the specplug runner's model loading)
     vLLM's dispatch hands float32 layers to the small-row kernel; after it,

@@ -193,10 +193,12 @@ class ProposerContext:
     embed_tokens: torch.Tensor | None = None
     """The target's input embedding matrix ``[vocab, hidden]`` (read-only)."""
     num_hidden_layers: int = 0
-    prepare_linears: Callable[[torch.nn.Module], int] | None = None
-    """Moves a drafter module's ``nn.Linear`` layers onto the engine's own
-    GEMM kernels (vLLM's prepacked CPU kernels; ``runner/cpu_gemm.py``) and
-    returns how many; None where the engine has none better than torch's."""
+    prepare_linears: Callable[..., int] | None = None
+    """``(module, weight_dtype=None)``: moves a drafter module's
+    ``nn.Linear`` layers onto the engine's own GEMM kernels (vLLM's
+    prepacked CPU kernels; ``runner/cpu_gemm.py``), with weights in
+    ``weight_dtype`` when given, and returns how many; None where the
+    engine has none better than torch's."""
 
 
 @dataclass

@@ -7,7 +7,9 @@ weights (oneDNN, or SGL's on AMX machines), picked per layer by
 3-4x slower on a 2-core CPU for the head's shapes (its 12288 x 576 LM head: 2.3 vs 0.6 ms
 for one row, 4.6 vs 1.0 ms for ten). Handed to methods as
 ``ProposerContext.prepare_linears``; only drafts go through it, so the
-output stays lossless whatever the kernel's rounding.
+output stays lossless whatever the kernel's rounding. A drafter may ask for
+its layers to run with bfloat16 weights (``weight_dtype``): each call then
+streams half the bytes, which is what a few-row GEMM on a CPU waits for.
 """
 
 from __future__ import annotations
@@ -26,25 +28,50 @@ def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def prepare_cpu_linears(module: torch.nn.Module) -> int:
+class _CastGemm:
+    """A layer's weight and bias in another dtype, on vLLM's GEMM for that
+    dtype: called with the layer's inputs, it returns the layer's dtype."""
+
+    def __init__(self, layer: torch.nn.Linear, dtype: torch.dtype) -> None:
+        self.weight = torch.nn.Parameter(layer.weight.detach().to(dtype), requires_grad=False)
+        self.bias = (None if layer.bias is None
+                     else torch.nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False))
+        self.cpu_linear = None  # set by vLLM's dispatch
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)
+        y = self.cpu_linear(rows, self.weight, self.bias).to(x.dtype)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def prepare_cpu_linears(module: torch.nn.Module,
+                        weight_dtype: torch.dtype | None = None) -> int:
     """Route every CPU ``nn.Linear`` of ``module`` through vLLM's CPU GEMM
-    dispatch; returns how many were routed.
+    dispatch; returns how many were routed. ``weight_dtype`` (e.g.
+    bfloat16): run them on a copy of the weights in that dtype, inputs cast
+    to it and outputs back; None: the layers' own dtype.
     The weights stay in place (training code and state dicts still see them)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     n = 0
-    for layer in module.modules():
-        if not isinstance(layer, torch.nn.Linear) or layer.weight.device.type != "cpu":
-            continue
+    layers = [m for m in module.modules()
+              if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"]
+    for layer in layers:
+        cast = (_CastGemm(layer, weight_dtype)
+                if weight_dtype not in (None, layer.weight.dtype) else None)
         try:
-            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            # the cast copy may go once packed: only the kernel reads it then
+            dispatch_cpu_unquantized_gemm(cast or layer, remove_weight=cast is not None)
         except Exception as e:  # noqa: BLE001 - torch's GEMM is still right
             logger.warning("specplug: vLLM's CPU GEMM unavailable for a drafter layer "
                            "(%s); torch's is used", e)
             return n
-        if getattr(layer, "cpu_linear", None) is None:
+        if cast is not None:
+            layer.forward = cast  # a closure, not a submodule: state dicts stay the head's
+        elif getattr(layer, "cpu_linear", None) is not None:
+            layer.forward = _packed_forward.__get__(layer)
+        else:
             continue
-        layer.forward = _packed_forward.__get__(layer)
         n += 1
     return n
 

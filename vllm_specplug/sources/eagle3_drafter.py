@@ -52,6 +52,16 @@ def default_held_rows(n_aux: int, hidden_size: int) -> int:
     return max(1024, HELD_BYTES // (n_aux * hidden_size * 4))
 
 
+def head_gemm_dtype(choice: str) -> torch.dtype:
+    """The weight dtype of ``Eagle3DrafterConfig.head_gemm_dtype`` on this CPU."""
+    import torch
+
+    if choice == "auto":
+        native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        choice = "bfloat16" if native else "float32"
+    return getattr(torch, choice)
+
+
 class Eagle3DrafterConfig(MethodConfig):
     """Options of the EAGLE-3 tree drafter (every method composing it has them)."""
 
@@ -78,6 +88,14 @@ class Eagle3DrafterConfig(MethodConfig):
     (``eagle3/screen.py``): a quarter of the LM head's weight bytes per
     level, trees nearly the float32 head's. Drafts only: the output is the
     same either way. False: the float32 LM head (EAGLE-2's trees exactly)."""
+    head_gemm_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """On a CPU, the dtype of the weights the head's linear layers draft
+    with (inputs cast to it, outputs back to float32). A drafting level
+    streams every weight of the head's layer for a handful of rows, so its
+    time is the weights' bytes: bfloat16 halves them. ``auto``: bfloat16
+    where the CPU has bfloat16 arithmetic (AVX512-BF16 or AMX), float32
+    elsewhere (converting each weight on the fly would cost more than it
+    saves). Drafts only: the output is the same either way."""
     max_held_rows: int | None = Field(default=None, ge=0)
     """Verified rows a request asked for no draft (the cost-aware gate
     closed) holds before feeding them to the head anyway, in one batched
@@ -191,8 +209,9 @@ class Eagle3Drafter(Proposer):
             parts = [head.fc, self.runtime.layer]
             if self.runtime.screen is None:
                 parts.append(head.lm_head)
+            gemm_dtype = head_gemm_dtype(config.head_gemm_dtype)
             for part in parts:
-                ctx.prepare_linears(part)
+                ctx.prepare_linears(part, weight_dtype=gemm_dtype)
         self.runtime.warm_up(config.depth, config.topk)
         self.template = config.build_template()
         self._extend_time, self._draft_time = RunningStat(), RunningStat()
