@@ -43,6 +43,11 @@ def test_bfloat16_weights_compute_the_rounded_weights_product():
                 + before["2.bias"].bfloat16().float())
         # bfloat16 keeps 8 bits of mantissa: outputs within a few of its steps
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+        # and not the float32 product: the rounding shows
+        exact = torch.nn.functional.linear(
+            torch.nn.functional.silu(x @ before["0.weight"].T),
+            before["2.weight"], before["2.bias"])
+        assert (got - exact).abs().max() > 1e-4
 
 
 def test_only_a_specplug_load_routes_to_the_linear_kernel(monkeypatch):
