@@ -196,6 +196,10 @@ METHOD_RUNS = (
         "and a head that drafts more often: mean draft per step 5.56 -> 5.19 ms (`respec`); "
         "speculation speedups moved +3% (`respec`), +5% (`auto`) and -2% (`eagle3_tree`, "
         "which drafted on 99% of steps instead of 45%), inside the cells' spread."),
+    Run("head_bf16_before_after_qa.json", "The head's bfloat16 weights on QA",
+        "The same comparison on QA, a later run on the same commit: speculation speedups "
+        "float32 -> bfloat16 1.29 -> 1.29x (`eagle3_tree`), 1.43 -> 1.46x (`respec`), 1.41 -> "
+        "1.48x (`auto`), inside the cells' spread."),
     Run("runner_split_before_after.json", "The runner in named parts: before against after",
         "`plain`, `pld` and `respec` from the last commit before the runner was split into "
         "parts (labels `@before`, run from a worktree of 251da28 with `--code`) beside the "
