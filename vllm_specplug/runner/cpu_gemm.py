@@ -22,9 +22,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def _packed_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    # vLLM's CPU kernels take [tokens, in]; the head also calls with [B, m, in]
-    y = layer.cpu_linear(x.reshape(-1, x.shape[-1]), layer.weight, layer.bias)
+def _packed_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    # vLLM's CPU kernels take [tokens, in]; the head also calls with [B, m, in].
+    # The casts are no-ops unless the weights are a _CastGemm's.
+    rows = x.reshape(-1, x.shape[-1]).to(layer.weight.dtype)
+    y = layer.cpu_linear(rows, layer.weight, layer.bias).to(x.dtype)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -38,10 +40,7 @@ class _CastGemm:
                      else torch.nn.Parameter(layer.bias.detach().to(dtype), requires_grad=False))
         self.cpu_linear = None  # set by vLLM's dispatch
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(self.weight.dtype)
-        y = self.cpu_linear(rows, self.weight, self.bias).to(x.dtype)
-        return y.view(*x.shape[:-1], y.shape[-1])
+    __call__ = _packed_forward
 
 
 def prepare_cpu_linears(module: torch.nn.Module,
