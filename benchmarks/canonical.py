@@ -33,12 +33,6 @@ class Run:
     reruns: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 
-# The batch-1 summarization and RAG runs predate the step-cost curve's
-# pooling of knots within noise (docs/design.md); the other five were made
-# after it.
-BEFORE_COST_FIX = ("Measured under the QA run's protocol, before the step-cost curve pooled "
-                   "knots within noise")
-
 # The headline runs: every method beside vLLM's built-ins, per batch size one
 # run, or several whole runs over disjoint suites where one run would not fit
 # a machine's time window (docs/benchmarks.md, "Protocol").
@@ -68,13 +62,12 @@ ALL_METHODS: dict[int, tuple[Run, ...]] = {
             "taken from the host without vLLM's rejection sampler (docs/design.md)."),
         Run("all_methods_b1_specbench_summarization.json",
             "Every method, batch 1: summarization",
-            BEFORE_COST_FIX + ", with `auto` asking its head per cover level, a cold "
-            "gate's first 16 verdicts on probation, the EAGLE-3 head expanding only the "
-            "frontier nodes that can still enter a tree and ranking each level with an int8 "
-            "screen of its LM head."),
+            "Measured like the QA run above, re-made on a later commit: greedy verdicts "
+            "taken from the host without vLLM's rejection sampler (docs/design.md) and "
+            "the EAGLE-3 head drafting from bfloat16 copies of its weights on this CPU "
+            "(`head_gemm_dtype`)."),
         Run("all_methods_b1_specbench_rag.json", "Every method, batch 1: RAG",
-            "Measured like the summarization run above; each fresh engine's draft gate is "
-            "recorded (`gate_repeats`)."),
+            "Measured like the summarization run above."),
         ),
     8: (Run("all_methods_b8_part1.json",
             "Every method, batch 8: summarization, RAG, MT-bench, QA",
