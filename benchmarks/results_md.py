@@ -333,14 +333,20 @@ def _sweep_minutes(run: dict) -> str:
     return f"{(end - start).total_seconds() / 60:.0f} min"
 
 
-def serving_plots(name: str) -> list[str]:
-    """The sweep's plots (``serve_report.plot_all`` writes them beside it)."""
-    return sorted(p.name for p in C.RESULTS_DIR.glob(Path(name).stem + "_*.png"))
+def serving_plots(doc: dict, name: str) -> list[str]:
+    """The sweep's plots (``serve_report.plot_all`` writes them beside it),
+    named from its own groups: another sweep's file whose name starts with
+    this one's is not one of them."""
+    from benchmarks.serve_report import groups, plot_path
+
+    names = (Path(plot_path(Path(name).stem, dataset, temp)).name
+             for dataset, temp in groups(doc))
+    return sorted(n for n in names if (C.RESULTS_DIR / n).is_file())
 
 
 def serving_header(doc: dict, name: str) -> list[str]:
     run, cfg = doc["run"], doc["run"]["config"]
-    plots = ", ".join(f"[`{p}`](results/{p})" for p in serving_plots(name)) or "none"
+    plots = ", ".join(f"[`{p}`](results/{p})" for p in serving_plots(doc, name)) or "none"
     skipped = "; ".join(f"`{s['method']}` skipped: {s['reason']}" for s in doc.get("skipped", []))
     failed = "; ".join(f"`{f['method']}` FAILED: {f['error'][-200:]}"
                        for f in doc.get("failed", []))

@@ -120,12 +120,17 @@ def plot_group(recs: list[dict], title: str, path: str) -> None:
     plt.close(fig)
 
 
+def plot_path(prefix: str, dataset: str, temp: float) -> str:
+    """Where :func:`plot_all` writes one group's plot."""
+    return f"{prefix}_{dataset.replace(':', '-')}_t{temp:g}.png"
+
+
 def plot_all(doc: dict, prefix: str) -> list[str]:
     """Write ``<prefix>_<dataset>_t<temperature>.png`` per group; the paths."""
     paths = []
     model = doc.get("run", {}).get("model", "")
     for (dataset, temp), recs in groups(doc).items():
-        path = f"{prefix}_{dataset.replace(':', '-')}_t{temp:g}.png"
+        path = plot_path(prefix, dataset, temp)
         plot_group(recs, f"{dataset}, temperature {temp:g} ({model.rsplit('/', 1)[-1]})", path)
         paths.append(path)
     return paths

@@ -190,6 +190,17 @@ def test_plots_are_written(tmp_path):
     assert all((tmp_path / p.rsplit("/", 1)[-1]).stat().st_size > 1000 for p in paths)
 
 
+def test_a_sweeps_plots_are_its_own_not_a_longer_named_sweeps(tmp_path, monkeypatch):
+    from benchmarks import canonical, results_md
+
+    monkeypatch.setattr(canonical, "RESULTS_DIR", tmp_path)
+    for name in ("sweep_specbench_t0.png", "sweep_specbench_t0.7.png",
+                 "sweep_more_specbench_t0.7.png"):  # the second sweep's plot
+        (tmp_path / name).write_bytes(b"png")
+    assert results_md.serving_plots(DOC, "sweep.json") == [
+        "sweep_specbench_t0.7.png", "sweep_specbench_t0.png"]
+
+
 def test_config_overrides_and_method_subset(tmp_path):
     cfg_path = tmp_path / "c.json"
     cfg_path.write_text(json.dumps({**CFG, "datasets": ["specbench"], "methods": {
