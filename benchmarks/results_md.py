@@ -337,10 +337,10 @@ def serving_plots(doc: dict, name: str) -> list[str]:
     """The sweep's plots (``serve_report.plot_all`` writes them beside it),
     named from its own groups: another sweep's file whose name starts with
     this one's is not one of them."""
-    from benchmarks.serve_report import groups, plot_path
+    from benchmarks.serve_report import plot_path
 
-    names = (Path(plot_path(Path(name).stem, dataset, temp)).name
-             for dataset, temp in groups(doc))
+    names = {Path(plot_path(Path(name).stem, r["dataset"], r["temperature"])).name
+             for r in doc.get("records", [])}
     return sorted(n for n in names if (C.RESULTS_DIR / n).is_file())
 
 
