@@ -42,6 +42,9 @@ import time
 from benchmarks import result_file
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+# vLLM's CPU default sizes the KV cache from the machine's memory (over 12 GiB
+# here); 2 GiB holds these batches, as in benchmarks.run
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
 def _timed(cls, name: str, record, before=None) -> None:
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                          "medians per number of scheduled rows (decode steps only)")
     ap.add_argument("--out", default=None,
                     help="write the JSON here instead of printing it")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of the measured runs (0: greedy)")
     ap.add_argument("--sync", action="store_true",
                     help="plain decoding without async scheduling (as speculation runs)")
     args = ap.parse_args(argv)
@@ -179,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"async_scheduling": False} if args.sync else {}
     llm = LLM(model=model, dtype="float32", max_model_len=args.max_model_len,
               max_num_seqs=args.batch, seed=0, speculative_config=spec, **extra)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=0 if args.temperature > 0 else None)
     warm = suites[0].prompts[: args.batch]
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in warm],
                  SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
