@@ -54,8 +54,8 @@ def _sample_recovered_tokens_cpu(max_spec_len, num_draft_tokens, cu_num_draft_to
     vocab = target_probs.shape[-1]
     dtype = torch.float64 if use_fp64_gumbel else torch.float32
     drafting = [i for i, n in enumerate(num_draft_tokens) if n > 0]
-    # rows of requests without drafts are never read by the kernel
-    inv_q = torch.empty((len(num_draft_tokens), vocab), dtype=dtype, device=device)
+    # rows of requests without drafts are not read (zeros all the same)
+    inv_q = torch.zeros((len(num_draft_tokens), vocab), dtype=dtype, device=device)
     if drafting:
         noise = _exponential_inverse_rows(len(drafting), vocab, dtype,
                                           sampling_metadata.generators, drafting)
