@@ -273,6 +273,13 @@ SERVING: tuple[Run, ...] = (
         "prompts, beside plain decoding and `plain` measured in the same run, at 1 to 32 "
         "concurrent streams (no request-rate points), each point measured once. A CPU "
         "without AVX-512: compare its figures only with each other."),
+    Run("serve_sweep_sharegpt_t07_heads.json",
+        "Serving under load: real chat (ShareGPT), temperature 0.7, the head and datastore methods",
+        "`dresd`, `eagle3_tree`, `graft` and `reader` sampling at temperature 0.7 on the "
+        "held-out ShareGPT prompts, beside plain decoding and `plain` measured in the same "
+        "run, at 1 to 32 concurrent streams (no request-rate points), each point measured "
+        "once, with the recovered-token noise drawn only for requests with drafts. A CPU "
+        "without AVX-512: compare its figures only with each other."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
