@@ -79,7 +79,7 @@ def test_config_defaults_and_needs():
     assert cfg.topk == 8 and cfg.template == "auto" and cfg.copy_path
     assert cfg.table_path is None and cfg.per_request_tables is False
     p = RecycleProposer(cfg, _ctx())
-    assert p.needs() == Needs(topk=8, prefill_topk=True, tree_topk=True)
+    assert p.needs() == Needs(topk=8, prefill_topk=True, tree_topk=True, topk_probs=False)
     assert RecycleProposer.name == "recycle" and RecycleProposer.config_cls is RecycleConfig
     assert p.drafter.pristine.table.shape == (VOCAB, 8)
 

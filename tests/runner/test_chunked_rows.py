@@ -20,6 +20,7 @@ from vllm_specplug.runner.logit_rows import (
     entropy,
     log_softmax_topk,
     sampled_child_probs,
+    topk_ids,
     topk_probs,
 )
 
@@ -46,6 +47,7 @@ def test_entropy_topk_logsoftmax_chunked(max_rows):
     v, i = topk_probs(x, 8, rows, max_rows)
     assert torch.equal(i, ref_i)
     torch.testing.assert_close(v, ref_v)
+    assert torch.equal(topk_ids(x, 8, rows, max_rows), ref_i)  # ids without probs
     # greedy: the top-1 id is the argmax, exactly
     assert torch.equal(topk_probs(x, 1, max_rows=max_rows)[1][:, 0], x.argmax(-1))
 
@@ -61,6 +63,7 @@ def test_no_rows():
     assert entropy(x, empty, 2).shape == (0,)
     v, i = topk_probs(x, 3, empty, 2)
     assert v.shape == (0, 3) and i.shape == (0, 3)
+    assert topk_ids(x, 3, empty, 2).shape == (0, 3)
 
 
 def _random_trees(n: int, seed: int):

@@ -3,7 +3,8 @@ the last ``prefill_topk_rows`` rows of every prompt chunk, placed by
 ``StepRequest.topk_offset``. Checked against a recompute of the target
 with transformers (float32): at every position the runner reported, the
 top-1 is the target's argmax after that position's token, and
-``node_tokens`` are the prompt's tokens there."""
+``node_tokens`` are the prompt's tokens there; the probabilities come
+only when the method asks for them (``Needs.topk_probs``)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,18 @@ CHUNKS: list[tuple[int, int]] = []  # (rows of top-k, offset) of prompt chunks
 class TopkProbe(PLDProposer):
     name = "prompt_topk_probe"
     prefill_topk = True
+    with_probs = False  # ids only (Needs.topk_probs), as the adjacency methods ask
 
     def needs(self) -> Needs:
         return Needs(topk=4, prefill_topk=self.prefill_topk, prefill_topk_rows=ROWS,
-                     tree_topk=True)
+                     tree_topk=True, topk_probs=self.with_probs)
 
     def propose(self, batch):
         for r in batch:
-            if r.topk_ids is None or r.verified_pos >= r.num_prompt_tokens:
+            if r.topk_ids is None:
+                continue
+            assert (r.topk_probs is not None) == self.with_probs
+            if r.verified_pos >= r.num_prompt_tokens:
                 continue  # decode steps: covered by the lossless tests
             key = str(r.token_ids[:r.num_prompt_tokens].tolist())
             at = r.verified_pos + r.topk_offset
@@ -51,6 +56,7 @@ class LastRowProbe(TopkProbe):
 
     name = "prompt_last_row_probe"
     prefill_topk = False
+    with_probs = True
 
 
 @pytest.mark.parametrize("probe", [TopkProbe, LastRowProbe])

@@ -53,6 +53,11 @@ class Needs:
     what is generated next."""
     tree_topk: bool = False
     """Top-k at every verified tree node, accepted or rejected."""
+    topk_probs: bool = True
+    """With ``topk``: also the top-k probabilities (``StepRequest.topk_probs``).
+    Methods that read only the ids set False: the probabilities cost a
+    normaliser over the whole vocabulary per row, about as much as the top-k
+    itself (every row of every tree with ``tree_topk``)."""
     aux_layers: tuple[int, ...] = ()
     """Residual-stream layers to capture at every verified row, prefill
     chunks included (vLLM's aux convention: layer ``L`` is the input of

@@ -205,7 +205,7 @@ class GraftProposer(Eagle3Drafter):
 
     def needs(self) -> Needs:
         return Needs(aux_layers=self.aux_layers, topk=self.config.adjacency_topk,
-                     prefill_topk=True, tree_topk=True)
+                     prefill_topk=True, tree_topk=True, topk_probs=False)
 
     def remove_request(self, req_id: str) -> None:
         super().remove_request(req_id)

@@ -182,7 +182,8 @@ class RecycleProposer(Proposer):
             raise option_error("table_path", str(e)) from None
 
     def needs(self) -> Needs:
-        return Needs(topk=self.config.topk, prefill_topk=True, tree_topk=True)
+        return Needs(topk=self.config.topk, prefill_topk=True, tree_topk=True,
+                     topk_probs=False)
 
     def add_request(self, req_id: str) -> None:
         self.drafter.add_request(req_id)

@@ -12,6 +12,7 @@ import torch
 
 from vllm_specplug.engine.transfer import to_device
 from vllm_specplug.runner.logit_rows import entropy as _entropy
+from vllm_specplug.runner.logit_rows import topk_ids as _topk_ids
 from vllm_specplug.runner.logit_rows import topk_probs as _topk_probs
 from vllm_specplug.runner.step_state import RequestPlan, StepState
 
@@ -26,6 +27,15 @@ def _selected_rows(want: list[int], logits) -> tuple[torch.Tensor, np.ndarray]:
     where = np.full(n_rows, -1, dtype=np.int64)
     where[sel] = np.arange(len(sel))
     return to_device(sel, torch.long, logits.device), where
+
+
+def _topk(logits, k: int, rows, with_probs: bool):
+    """``(probs, ids)`` of the top-``k`` of ``logits`` rows; probs None
+    unless ``with_probs`` (``Needs.topk_probs``)."""
+    if with_probs:
+        return _topk_probs(logits, k, rows)
+    return None, _topk_ids(logits, k, rows)
+
 
 class CaptureMixin:
     """Top-k, entropy and hidden-state capture (see module doc)."""
@@ -62,7 +72,7 @@ class CaptureMixin:
         if not want:
             return
         idx, where = _selected_rows(want, logits)
-        vals, ids = _topk_probs(logits, k, idx)
+        vals, ids = _topk(logits, k, idx, needs.topk_probs)
         state.topk = (ids, vals, where)
 
     def _sp_gather(self, hidden_states, aux_hidden_states, rows: list[np.ndarray]):
@@ -126,7 +136,8 @@ class CaptureMixin:
         base = int(state.logit_base[i])
         if plan.decoding:
             lrows = to_device(where[[base + r for r in rel]], torch.long, ids.device)
-            sreq.topk_ids, sreq.topk_probs = ids[lrows], vals[lrows]
+            sreq.topk_ids = ids[lrows]
+            sreq.topk_probs = vals[lrows] if vals is not None else None
             if needs.tree_topk:
                 # Every verified row of the tree (root + nodes), accepted or not.
                 n1 = int(state.logit_rows[i])
@@ -138,8 +149,8 @@ class CaptureMixin:
             t0 = time.perf_counter()
             # the chunk's last rows only (Needs.prefill_topk_rows)
             skip = max(0, len(rows) - needs.prefill_topk_rows)
-            v, t = _topk_probs(self.model.compute_logits(hidden_states[rows[skip:]]),
-                               ids.shape[-1])
+            v, t = _topk(self.model.compute_logits(hidden_states[rows[skip:]]),
+                         ids.shape[-1], None, needs.topk_probs)
             sreq.topk_ids, sreq.topk_probs, sreq.topk_offset = t, v, skip
             sreq.node_tokens = self.input_ids.gpu[first + skip : first + n_sched].clone()
             sreq.node_topk_ids = t
@@ -149,5 +160,6 @@ class CaptureMixin:
         elif sreq.sampled:
             # Only the prompt's last position has logits without prefill_topk.
             row = to_device([where[base]], torch.long, ids.device)
-            sreq.topk_ids, sreq.topk_probs = ids[row], vals[row]
+            sreq.topk_ids = ids[row]
+            sreq.topk_probs = vals[row] if vals is not None else None
             sreq.topk_offset = n_sched - 1  # it follows the chunk's last token

@@ -72,6 +72,15 @@ def topk_probs(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None,
     return _per_chunk(one, logits, rows, max_rows)
 
 
+def topk_ids(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+             max_rows: int | None = None) -> torch.Tensor:
+    """The ids of ``topk_probs``, without the probabilities: the softmax
+    keeps the logits' order, so no pass over the vocabulary beyond the
+    top-k."""
+    return _per_chunk(lambda chunk: chunk.topk(min(k, chunk.shape[-1]), dim=-1)[1],
+                      logits, rows, max_rows)
+
+
 def log_softmax_topk(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None,
                      max_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` log-probabilities (float32) and ids of each row."""

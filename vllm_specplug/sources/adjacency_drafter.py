@@ -5,8 +5,9 @@ Every token the target verifies (prompt positions at prefill, every tree
 node at decode, accepted or rejected) leaves its top-k next tokens in an
 ``AdjacencyTable``; a ``TreeTemplate`` expanded from a request's last token
 turns that table into a draft tree. Needs ``Needs(topk=k,
-prefill_topk=True, tree_topk=True)`` from the runner. Tables are kept per
-tenant, so requests learn from and draft from only their own tenant's steps.
+prefill_topk=True, tree_topk=True, topk_probs=False)`` from the runner (the
+table keeps ids only). Tables are kept per tenant, so requests learn from
+and draft from only their own tenant's steps.
 """
 
 from __future__ import annotations
