@@ -31,7 +31,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   # torch they break `import vllm` (operator torchvision::nms does not exist).
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   log "installing scann, test, plot and soak tools (openai client, psutil)"
-  "${PIP[@]}" install "scann==1.4.2" pytest pytest-timeout pytest-xdist scipy matplotlib gguf openai psutil
+  "${PIP[@]}" install "scann==1.4.2" pytest pytest-timeout scipy matplotlib gguf openai psutil
   # READER's suffix-array datastore (libdivsufsort's Python binding).
   "${PIP[@]}" install "pydivsufsort==0.0.20"
   # The reference model ships inside this package; its declared deps

@@ -13,16 +13,6 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-USER_CPU_BIND = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-"""The caller's own thread binding, if any (tests that start two ranks read it)."""
-_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... under -n
-if _XDIST_WORKER and USER_CPU_BIND is None:
-    # vLLM binds an engine's threads to the first core and keeps the rest for
-    # its API server: parallel test workers would all compute on that one
-    # core. Each worker's engines get a core of their own instead.
-    _cpus = sorted(os.sched_getaffinity(0))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cpus[int(_XDIST_WORKER[2:]) % len(_cpus)])
-
 import pytest  # noqa: E402
 
 

@@ -26,7 +26,6 @@ import time
 import pytest
 
 from benchmarks.soak import Server, http_get, http_post, metric, parse_metrics
-from tests.conftest import USER_CPU_BIND
 
 pytestmark = pytest.mark.engine
 
@@ -136,7 +135,7 @@ def test_tp2_metrics_show_the_output_rank(tiny_model, tmp_path):
             "fail_on_token": POISON}
     prompts = [[POISON, 20, 21, 22, 20, 21], [30, 31, 32, 30, 31, 32]]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    env["VLLM_CPU_OMP_THREADS_BIND"] = USER_CPU_BIND or "0|1"  # a core per rank
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     out = subprocess.run([sys.executable, str(script),
                           json.dumps([tiny_model, spec, prompts, list(COMPARED)])],
                          env=env, capture_output=True, text=True, timeout=900)

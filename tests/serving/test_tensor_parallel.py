@@ -25,8 +25,6 @@ import textwrap
 
 import pytest
 
-from tests.conftest import USER_CPU_BIND
-
 pytestmark = pytest.mark.engine
 
 SCRIPT = textwrap.dedent("""
@@ -50,7 +48,7 @@ def _run(model, spec, prompts, max_tokens, tmp_path):
     script = tmp_path / "tp2.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    env["VLLM_CPU_OMP_THREADS_BIND"] = USER_CPU_BIND or "0|1"  # a core per rank
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     out = subprocess.run([sys.executable, str(script),
                           json.dumps([model, spec, prompts, max_tokens])],
                          env=env, capture_output=True, text=True, timeout=900)
