@@ -76,8 +76,8 @@ def topk_ids(logits: torch.Tensor, k: int, rows: torch.Tensor | None = None,
              max_rows: int | None = None) -> torch.Tensor:
     """The ids of ``topk_probs``, without the probabilities: the softmax
     keeps the logits' order, so no pass over the vocabulary beyond the
-    top-k."""
-    return _per_chunk(lambda chunk: chunk.topk(min(k, chunk.shape[-1]), dim=-1)[1],
+    top-k (taken in float32 as there, so ties order alike)."""
+    return _per_chunk(lambda chunk: chunk.float().topk(min(k, chunk.shape[-1]), dim=-1)[1],
                       logits, rows, max_rows)
 
 
