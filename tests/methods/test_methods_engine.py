@@ -64,6 +64,9 @@ def test_adapld_lossless_and_frees_memory(ref_model, baseline):
     assert m["live_memories"] <= 1
 
 
+# slow: test_adapld_lossless_and_frees_memory checks the fallback's trees
+# lossless (semantic_hits > 0); this one isolates it on a prompt with no repeats
+@pytest.mark.slow
 def test_adapld_semantic_fallback_only(ref_model):
     """Prompts whose tokens never repeat: lexical lookup can only find
     something in the generated text, so drafts come from the fallback."""
