@@ -280,6 +280,13 @@ SERVING: tuple[Run, ...] = (
         "run, at 1 to 32 concurrent streams (no request-rate points), each point measured "
         "once, with the recovered-token noise drawn only for requests with drafts. A CPU "
         "without AVX-512: compare its figures only with each other."),
+    Run("serve_sweep_specbench_t07_more.json",
+        "Serving under load: Spec-Bench, temperature 0.7, the other specplug methods",
+        "`adapld`, `dresd`, `eagle3_tree`, `graft`, `reader`, `recycle` and `respec` "
+        "sampling at temperature 0.7 on Spec-Bench, beside plain decoding and `plain` "
+        "measured in the same run, at 1 to 32 concurrent streams (no request-rate points), "
+        "each point measured once. A CPU without AVX-512: compare its figures only with "
+        "each other."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
