@@ -112,6 +112,12 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+# slow: a process and an engine of its own. Every `specplug serve` test runs
+# vLLM multiprocess (the OpenAI server's engine core is always a process of
+# its own) with the plugin loaded from its entry point in each process, and
+# tests/serving/test_per_request_spec_metrics.py reads the worker's
+# specplug_stats back over RPC, equal to the front end's counters
+@pytest.mark.slow
 @pytest.mark.engine
 def test_plugin_loads_in_engine_core_and_worker_processes(tiny_model, tmp_path):
     """Multiprocess engine: the name is rewritten in the front end and the

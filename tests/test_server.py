@@ -42,6 +42,12 @@ def _get(url: str, data: dict | None = None) -> str:
         return r.read().decode()
 
 
+# slow: a server of its own. In the default suite
+# tests/serving/test_per_request_spec_metrics.py serves pld from its JSON
+# speculative config and checks vLLM's spec-decode counters and the
+# specplug: tree series (labelled with the method) on /metrics, and
+# tests/serving/test_robustness.py serves trees of several nodes
+@pytest.mark.slow
 def test_serve_pld_and_metrics(tiny_model):
     port = _free_port()
     proc = _serve(tiny_model, {"method": "pld", "num_speculative_tokens": 4,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import plain_greedy
+from tests.helpers.host_reads import reads  # noqa: F401 (fixture)
 from tests.helpers.prompts import COPY_MAX_TOKENS, copy_prompts
 
 

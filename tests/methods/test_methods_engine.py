@@ -51,7 +51,10 @@ def test_recycle_lossless(ref_model, baseline):
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
 
 
-def test_adapld_lossless_and_frees_memory(ref_model, baseline):
+def test_adapld_lossless_and_frees_memory(ref_model, baseline, reads):
+    """Also counts the device reads (tests/helpers/host_reads.py): ``adapld``
+    keeps the target's layer rows and top-k in a host memory per request,
+    brought back in one copy a step for the whole batch."""
     # Trees pinned on: with the cost-aware budget the gate may rightly close
     # on these prompts (drafting need not pay for them on a CPU), and an
     # equality check over no tree at all would prove nothing about adapld's
@@ -62,6 +65,10 @@ def test_adapld_lossless_and_frees_memory(ref_model, baseline):
     assert stats["accepted_tokens"] > 0
     assert m["semantic_hits"] > 0, "the semantic fallback never fired"
     assert m["live_memories"] <= 1
+    batched = [r for r in reads["propose"] if r[0] > 1]
+    assert batched, "no step with several requests"
+    assert all(n <= 1 for _, n, _ in reads["propose"]), reads["propose"]
+    assert all(n <= 1 for _, _, n, _ in reads["sample"]), reads["sample"]
 
 
 # slow: test_adapld_lossless_and_frees_memory checks the fallback's trees

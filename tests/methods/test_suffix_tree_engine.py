@@ -43,7 +43,8 @@ class TestOneEngine(OneEngine):
         assert m["cached_responses"] == 10, m  # 1 + 8 + the flush request
 
     # slow: the rule that keeps the distribution is the runner's tree sampling, checked
-    # in the default suite for every source at once (auto) and for the head (eagle3_tree)
+    # in the default suite for every source at once, the head included (auto), and
+    # for the head alone where arctic-inference is missing (eagle3_tree)
     @pytest.mark.slow
     def test_sampling_keeps_target_distribution(self, ref_model, llm):
         # many samples of one prompt: the global suffix tree holds the earlier

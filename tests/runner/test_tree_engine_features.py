@@ -79,6 +79,9 @@ def test_greedy_verdicts_skip_vllms_sampler_only_where_exact(tiny_model, referen
 
     monkeypatch.setattr(RejectionSampler, "forward", counted)
     prompts, outs, ref_file = reference
+    # the first 8 prompts: every length once, several requests' trees a
+    # step; the other 16 repeat the lengths, for the preemption test
+    prompts, outs = prompts[:8], outs[:8]
     with engine(tiny_model, {**_spec(ref_file), "tree_size": tree_size}) as llm:
         assert greedy(llm, prompts, MAX_TOKENS) == outs
         assert not calls

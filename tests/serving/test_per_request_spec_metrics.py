@@ -129,7 +129,8 @@ def test_per_request_figures_add_up_to_the_counters(ref_model, tmp_path):
         expected = _sums(per_request + [opted_out])
         deadline = time.time() + 30  # the last step's stats reach the loggers after it
         while True:
-            after = _series(server.metrics())
+            raw = server.metrics()
+            after = _series(raw)
             delta = {k: after[k] - before[k] for k in after}
             if delta == expected or time.time() > deadline:
                 break
@@ -145,6 +146,8 @@ def test_per_request_figures_add_up_to_the_counters(ref_model, tmp_path):
             assert r["mean_acceptance_length"] == pytest.approx(
                 1 + r["num_accepted_draft_tokens"] / steps)
     assert delta == expected, (delta, expected)
+    # the tree series carry the method's name
+    assert metric(raw, "specplug:trees_total", method="pld") == after["trees"] > 0, raw
     worker = {k: _worker(stats1)[k] - _worker(stats0)[k] for k in ("drafts", "draft_tokens",
                                                                    "accepted")}
     assert worker == {k: expected[k] for k in worker}

@@ -31,26 +31,37 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     from vllm import LLM, SamplingParams, TokensPrompt
     if __name__ == "__main__":
-        model, spec, prompts, max_tokens = json.loads(sys.argv[1])
-        llm = LLM(model, tensor_parallel_size=2, dtype="float32", max_model_len=512,
-                  enforce_eager=True, seed=0, speculative_config=spec)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens,
-                                           ignore_eos=True), use_tqdm=False)
-        res = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
-        if spec:
-            res["stats"] = llm.collective_rpc("specplug_stats")
-        print("RESULT " + json.dumps(res))
+        model, specs, prompts, max_tokens, ref_file = json.loads(sys.argv[1])
+        results = []
+        for spec in specs:
+            llm = LLM(model, tensor_parallel_size=2, dtype="float32", max_model_len=512,
+                      enforce_eager=True, seed=0, speculative_config=spec)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=max_tokens,
+                                               ignore_eos=True), use_tqdm=False)
+            res = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+            if spec:
+                res["stats"] = llm.collective_rpc("specplug_stats")
+            elif ref_file:  # plain decoding's text, for an oracle started next
+                with open(ref_file, "w") as f:
+                    json.dump([p + t for p, t in zip(prompts, res["tokens"])], f)
+            results.append(res)
+            # engine core and workers gone before the next engine's start
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+        print("RESULT " + json.dumps(results))
 """)
 
 
-def _run(model, spec, prompts, max_tokens, tmp_path):
+def _run(model, specs, prompts, max_tokens, tmp_path, ref_file=None) -> list[dict]:
+    """One engine per spec (None: plain decoding), one after another in one
+    process (one interpreter and vLLM import for them all)."""
     script = tmp_path / "tp2.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     out = subprocess.run([sys.executable, str(script),
-                          json.dumps([model, spec, prompts, max_tokens])],
+                          json.dumps([model, specs, prompts, max_tokens, ref_file])],
                          env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     assert out.returncode == 0 and lines, (out.stdout[-2000:] + out.stderr[-4000:])
@@ -68,13 +79,12 @@ def _same_decisions(stats: list[dict]) -> None:
 
 def test_tp2_oracle_trees_lossless_and_rank_consistent(tiny_model, tmp_path):
     prompts = [[5 + i, 6 + i, 7 + i, 8, 9, 10 + i] for i in range(4)]
-    plain = _run(tiny_model, None, prompts, 40, tmp_path)["tokens"]
-    ref = tmp_path / "ref.json"
-    ref.write_text(json.dumps([p + o for p, o in zip(prompts, plain)]))
-    spec = {"method": "oracle", "num_speculative_tokens": 6, "reference_file": str(ref),
+    # the plain engine writes the oracle's reference file before the oracle starts
+    ref = str(tmp_path / "ref.json")
+    spec = {"method": "oracle", "num_speculative_tokens": 6, "reference_file": ref,
             "max_depth": 5, "shuffle": True}
-    res = _run(tiny_model, spec, prompts, 40, tmp_path)
-    assert res["tokens"] == plain
+    plain, res = _run(tiny_model, [None, spec], prompts, 40, tmp_path, ref_file=ref)
+    assert res["tokens"] == plain["tokens"]
     stats = res["stats"]
     _same_decisions(stats)
     assert stats[0]["tree_drafts"] > 0 and stats[0]["kv_moves"] > 0
@@ -93,10 +103,9 @@ def test_tp2_recycle_deterministic_on_every_rank(tiny_model, tmp_path):
     its 9 attention heads are not divisible by 2 (vLLM refuses), so this
     uses the tiny model (8 heads), where ``recycle`` always drafts."""
     prompts = [[5 + i, 6 + i, 7 + i, 8, 9, 10 + i, 5 + i, 6 + i] for i in range(4)]
-    plain = _run(tiny_model, None, prompts, 48, tmp_path)["tokens"]
-    res = _run(tiny_model, {"method": "recycle", "num_speculative_tokens": 8},
-               prompts, 48, tmp_path)
-    assert res["tokens"] == plain
+    plain, res = _run(tiny_model, [None, {"method": "recycle", "num_speculative_tokens": 8}],
+                      prompts, 48, tmp_path)
+    assert res["tokens"] == plain["tokens"]
     _same_decisions(res["stats"])
     assert all(s["rank_divergences"] == 0 for s in res["stats"])
     assert res["stats"][0]["tree_drafts"] > 0

@@ -1,4 +1,6 @@
-"""Device->host reads per step, counted on the real engine.
+"""Device->host reads per step, counted on the real engine (the ``reads``
+fixture, used by the recycle and adapld engine tests, whose engines these
+checks share).
 
 On a GPU each read of a device tensor from the host waits for the device.
 A tree step reads it once to choose its paths (the argmax rows and the
@@ -8,7 +10,7 @@ sampling reads vLLM's verdict once more. A method that reads its rows on the
 host (``Needs.rows_on_host``) gets the whole batch's in one copy, never one
 per request.
 
-The CPU has no device, so the test marks one: the logits, vLLM's draft
+The CPU has no device, so the fixture marks one: the logits, vLLM's draft
 tensor, its samplers' outputs and the hidden states are wrapped in
 ``OnDevice``, every tensor computed from them stays one, and a
 ``TorchFunctionMode`` counts each read of one (``tolist``, ``item``, ``cpu``,
@@ -17,6 +19,9 @@ Reads of what a method keeps itself (an adjacency table's expansion) are not
 counted: only reads of what the target computed. Nor is the adjacency
 table's update, which is numpy on a CPU table and a Triton kernel on the
 device (``kernels/adjacency``) on a GPU.
+
+The patches are on classes, so they reach an engine already running in this
+process (the tests run vLLM in-process) from the moment the fixture is set up.
 """
 
 from __future__ import annotations
@@ -27,11 +32,6 @@ import sys
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-
-from tests.conftest import engine, greedy, plain_greedy
-from tests.helpers.prompts import COPY_MAX_TOKENS, copy_prompts
-
-pytestmark = pytest.mark.engine
 
 _READS = {"tolist", "item", "cpu", "numpy", "__array__", "__bool__", "__int__",
           "__float__", "__index__"}
@@ -71,13 +71,6 @@ class CountReads(TorchFunctionMode):
                 self.where.append(f"{caller.f_code.co_filename}:{caller.f_lineno} {name}")
             return _plain(func(*args, **kwargs))
         return func(*args, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def copy_baseline(ref_model):
-    """Four copy prompts and their plain greedy outputs."""
-    prompts = copy_prompts(ref_model, 8)[:4]
-    return prompts, plain_greedy(ref_model, prompts, COPY_MAX_TOKENS)
 
 
 @pytest.fixture
@@ -126,43 +119,3 @@ def reads(monkeypatch):
     monkeypatch.setattr(VerifyMixin, "_sample", counted_sample)
     monkeypatch.setattr(DraftMixin, "propose_draft_token_ids", counted_propose)
     return log
-
-
-def test_a_tree_step_reads_the_device_once_when_greedy(ref_model, copy_baseline, reads):
-    """``recycle`` (trees from its adjacency table, the table learning from
-    every tree row's top-k): greedy tree steps read once, sampled ones at
-    most twice, and drafting reads nothing the target computed."""
-    from vllm import SamplingParams, TokensPrompt
-
-    prompts, ref = copy_baseline
-    spec = {"method": "recycle", "num_speculative_tokens": 8, "cost_aware": False}
-    with engine(ref_model, spec, max_model_len=1024) as llm:
-        assert greedy(llm, prompts, COPY_MAX_TOKENS) == ref
-        n_greedy = len(reads["sample"])
-        params = [SamplingParams(temperature=0.8, seed=s, max_tokens=COPY_MAX_TOKENS)
-                  for s in range(4)]
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                     use_tqdm=False)
-        stats = llm.collective_rpc("specplug_stats")[0]
-    assert stats["tree_drafts"] > 0
-    greedy_steps, sampled_steps = reads["sample"][:n_greedy], reads["sample"][n_greedy:]
-    tree_steps = [r for r in greedy_steps if r[0]]
-    assert tree_steps, "no greedy tree step"
-    assert all(n == 1 for _, _, n, _ in tree_steps), tree_steps
-    assert all(n <= 1 for _, _, n, _ in greedy_steps), greedy_steps
-    assert any(trees and not g for trees, g, _, _ in sampled_steps), "no sampled tree step"
-    assert all(n <= 2 for _, _, n, _ in sampled_steps), sampled_steps
-    assert all(n == 0 for _, n, _ in reads["propose"]), reads["propose"]
-
-
-def test_rows_read_on_the_host_come_back_once_a_step(ref_model, copy_baseline, reads):
-    """``adapld`` keeps the target's layer rows and top-k in a host memory
-    per request: one copy a step for the whole batch."""
-    prompts, ref = copy_baseline
-    spec = {"method": "adapld", "num_speculative_tokens": 8, "cost_aware": False}
-    with engine(ref_model, spec, max_model_len=1024) as llm:
-        assert greedy(llm, prompts, COPY_MAX_TOKENS) == ref
-    batched = [r for r in reads["propose"] if r[0] > 1]
-    assert batched, "no step with several requests"
-    assert all(n <= 1 for _, n, _ in reads["propose"]), reads["propose"]
-    assert all(n <= 1 for _, _, n, _ in reads["sample"]), reads["sample"]
