@@ -19,10 +19,10 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
-# branches=3 (trees) behind `slow` for the default suite's 30 min: pld's
-# trees (tree_branches 3, pinned on) on the same prompts, batch 1 and 8, are
-# verified compiled (the mode users run) by
-# tests/runner/test_compiled_lossless.test_pld_tree_compiled
+# branches=3 (trees) behind `slow`: the default suite verifies multi-branch
+# copy-path trees from the same matcher through auto's copy source
+# (copy_branches 2; tests/runner/test_compiled_lossless.test_auto_tree_compiled,
+# compiled, batch 1 and 8)
 @pytest.mark.parametrize("branches", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_pld_lossless_batch_1_and_8(ref_model, baseline, branches):
     prompts, ref = baseline
