@@ -287,6 +287,12 @@ SERVING: tuple[Run, ...] = (
         "measured in the same run, at 1 to 32 concurrent streams (no request-rate points), "
         "each point measured once. A CPU without AVX-512: compare its figures only with "
         "each other."),
+    Run("serve_sweep_sharegpt_t07_pld.json",
+        "Serving under load: real chat (ShareGPT), temperature 0.7, pld",
+        "`pld` sampling at temperature 0.7 on the held-out ShareGPT prompts, beside plain "
+        "decoding and `plain` measured in the same run, at 1 to 32 concurrent streams and "
+        "at 0.25 and 1 request/s, each point measured once. A CPU without AVX-512: compare "
+        "its figures only with each other."),
 )
 
 # The kernel check kit's full run on a GPU (python -m vllm_specplug.kernels.check).
