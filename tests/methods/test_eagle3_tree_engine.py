@@ -47,12 +47,12 @@ def test_lossless_prefix_caching_off(ref_model, baseline):
 
 def test_lossless_prefix_caching_and_chunked_prefill(ref_model, baseline):
     """Steps of 160 tokens: the preamble prompts (250-330 tokens) are
-    prefilled in chunks, ending inside a 128-token block and lying wholly
-    within one, and in the batch prompts share a step's tokens with the
-    trees; their first blocks come from vLLM's prefix cache on every
-    request after the first, and everything again on the second pass: the
-    head fills them from its prefix store. 160, not less: the batch's 8
-    trees of 17 rows fit one step."""
+    prefilled in chunks (the first ends inside a 128-token block), and in
+    the batch prompt chunks share steps with the trees. Their first blocks
+    come from vLLM's prefix cache on every request after the first, and
+    everything again on the second pass: the head fills them from its
+    prefix store. 160, not less: the batch's 8 trees of 17 rows fit one
+    step."""
     prompts, ref = baseline
     with engine(ref_model, SMALL, max_model_len=1024, enable_prefix_caching=True,
                 enable_chunked_prefill=True, max_num_batched_tokens=160) as llm:

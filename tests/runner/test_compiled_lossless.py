@@ -42,6 +42,18 @@ def baseline(ref_model, tmp_path_factory):
     return prompts, outs, str(path)
 
 
+def _check_native_paths(stats: dict) -> None:
+    """The engine ran the plugin's CPU paths around the compiled model: tree
+    attention on the CPU kernel, not the ATen fallback, and the target's
+    linear layers on the small-row kernel (kernels/cpu_linear.py; the
+    identity the test checked covers it, compiled). Not the latter where
+    oneDNN's order is unknown (an AMD CPU with AVX-512): shapes may be
+    refused there and vLLM's own path runs (tests/conftest.py)."""
+    assert stats["tree_attention"] == "native"
+    if not onednn_order_unknown_here():
+        assert stats["cpu_linear_layers"] > 0
+
+
 # slow: a compiled engine of its own. Its identity, KV moves, native tree
 # attention and CPU linear kernel are checked compiled by
 # test_auto_tree_compiled below; its exact accepted depth is path choice on
@@ -63,13 +75,7 @@ def test_oracle_random_trees_compiled(ref_model, baseline):
         stats = llm.collective_rpc("specplug_stats")[0]
     assert stats["tree_drafts"] > 0 and stats["kv_moves"] > 0
     assert stats["accepted_tokens"] == stats["method"]["expected_accepted"]
-    assert stats["tree_attention"] == "native"  # the CPU kernel, not the ATen fallback
-    # and the target's linear layers on the small-row kernel (kernels/cpu_linear.py):
-    # the identity above covers it, compiled. Not where oneDNN's order is
-    # unknown (an AMD CPU with AVX-512): shapes may be refused there and
-    # vLLM's own path runs (tests/conftest.py)
-    if not onednn_order_unknown_here():
-        assert stats["cpu_linear_layers"] > 0
+    _check_native_paths(stats)
 
 
 @pytest.mark.parametrize("use_head", ["never", pytest.param("always", marks=pytest.mark.slow)])
@@ -92,13 +98,7 @@ def test_auto_tree_compiled(ref_model, baseline, use_head):
     # now and then: accepted K/V moved between slots of the compiled cache
     assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0
     assert stats["kv_moves"] > 0
-    assert stats["tree_attention"] == "native"  # the CPU kernel, not the ATen fallback
-    # and the target's linear layers on the small-row kernel (kernels/cpu_linear.py):
-    # the identity above covers it, compiled. Not where oneDNN's order is
-    # unknown (an AMD CPU with AVX-512): shapes may be refused there and
-    # vLLM's own path runs (tests/conftest.py)
-    if not onednn_order_unknown_here():
-        assert stats["cpu_linear_layers"] > 0
+    _check_native_paths(stats)
     m = stats["method"]
     assert any(m.get(f"copy{n}_accepted", 0) for n in range(1, 5)), m
     if suffix_cache.available():
