@@ -79,12 +79,13 @@ class MethodConfig(BaseModel):
     max_draft_ms: float = Field(default=50.0, ge=0.0)
     """Time budget (milliseconds) of one step's request-by-request lookup
     work: retrieval and search over each request's tokens or a datastore
-    (``adapld``, ``respec``, ``reader``). Once a step has spent it, the
-    requests not yet reached skip that work this step: they get the
-    method's batched model draft where it has one (``reader``, ``respec``),
-    else no draft, and decode plainly (output is unchanged). The requests
-    skipped go first next step; skips are counted as ``deadline_skips``.
-    0: no limit. Methods whose work is one batched pass ignore it."""
+    (``adapld``, ``respec``, ``reader``, ``auto``). Once a step has spent
+    it, the requests not yet reached skip that work this step: they get the
+    method's batched model draft where it has one (``reader``, ``respec``,
+    ``auto`` with a head), else no draft, and decode plainly (output is
+    unchanged). The requests skipped go first next step; skips are counted
+    as ``deadline_skips``. 0: no limit. Methods whose work is one batched
+    pass ignore it."""
 
     isolation: Literal["salt", "strict", "off"] = "salt"
     """Whose state a request may draft from, for methods that keep state

@@ -249,28 +249,33 @@ def _sha256(path: str) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-def test_reader_worker_refuses_a_manifest_changed_after_the_check(sa_store, tmp_path,
-                                                                  tiny_model):
-    from vllm_specplug.methods.reader import ReaderConfig, _open_store
+def _sa_config(method: str):
+    from vllm_specplug.methods.auto import AutoConfig
+    from vllm_specplug.methods.reader import ReaderConfig
 
+    return {"reader": ReaderConfig, "auto": AutoConfig}[method]
+
+
+@pytest.mark.parametrize("method", ["reader", "auto"])  # one set of datastore options
+def test_sa_worker_refuses_a_manifest_changed_after_the_check(sa_store, tmp_path,
+                                                              tiny_model, method):
+    cls = _sa_config(method)
     d = _copy(sa_store, tmp_path)
-    config = _vllm_config("reader", {"datastore": d}, tiny_model)
-    ReaderConfig(datastore=d).check_engine(config)  # the front end's check
+    config = _vllm_config(method, {"datastore": d}, tiny_model)
+    cls(datastore=d).check_engine(config)  # the front end's check
     options = config.additional_config[ADDITIONAL_CONFIG_KEY]["options"]
     pinned = options["datastore_sha256"]
     assert pinned == _sha256(os.path.join(d, "manifest.json"))
 
-    worker = ReaderConfig(**options)  # what the engine process builds
-    store = _open_store(worker.datastore, 512, tiny_model, worker.verify_checksums,
-                        worker.datastore_sha256)
+    worker = cls(**options)  # what the engine process builds
+    store = worker.open_datastore(512, tiny_model)
     assert store.manifest_sha256 == pinned
 
     m = _manifest(d)
     m["num_documents"] += 1  # any change, even one the other checks accept
     _write_manifest(d, m)
     with pytest.raises(SpecplugConfigError) as err:
-        _open_store(worker.datastore, 512, tiny_model, worker.verify_checksums,
-                    worker.datastore_sha256)
+        worker.open_datastore(512, tiny_model)
     text = _one_line(err)
     now = _sha256(os.path.join(d, "manifest.json"))
     assert text.startswith("speculative_config['datastore']")

@@ -1,9 +1,12 @@
 """`auto` on the real engine: greedy output token-identical to plain
 decoding at batch 1 and 8 with every source drafting (reference model: it
-has a head), under preemption, prefix caching and chunked prefill without a
-head (tiny model), and the sampling distribution kept."""
+has a head; a suffix-array datastore), under preemption, prefix caching and
+chunked prefill without a head (tiny model), and the sampling distribution
+kept."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -30,14 +33,36 @@ def baseline(ref_model):
     return prompts, plain_greedy(ref_model, prompts, MAX_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, ref_model, baseline):
+    """A suffix-array store holding plain decoding's answers to the last
+    four prompts (as text, tokenized again): its paths are right there, so
+    its nodes get accepted as well as drafted."""
+    from transformers import AutoTokenizer
+
+    from vllm_specplug.datastore.suffix_array import build_sa_datastore
+
+    tok = AutoTokenizer.from_pretrained(ref_model)
+    root = tmp_path_factory.mktemp("auto_store")
+    corpus = root / "corpus.jsonl"
+    texts = [tok.decode(p[-32:] + out) for p, out in zip(*baseline)][4:]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    build_sa_datastore(ref_model, str(root / "store"), [str(corpus)], progress=False)
+    return str(root / "store")
+
+
 class TestOneEngine(OneEngine):
     spec = SPEC
+
+    def engine_spec(self, request) -> dict:
+        return {**SPEC, "datastore": request.getfixturevalue("store")}
 
     def test_lossless_batch_1_and_8_every_source(self, llm, baseline):
         stats = check_greedy_equal_on(llm, baseline, MAX_TOKENS)
         m = stats["method"]
         assert stats["tree_drafts"] > 0 and stats["accepted_tokens"] > 0, stats
-        for source in ("head", "suffix"):
+        assert m["datastore_tokens"] > 0
+        for source in ("head", "suffix", "datastore"):
             assert m.get(f"{source}_accepted", 0) > 0, m
         assert any(m.get(f"copy{n}_drafts", 0) for n in range(1, 5)), m
         assert m["head_asked"] > 0 and m["head_skipped"] == 0, m

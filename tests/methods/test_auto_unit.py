@@ -1,5 +1,6 @@
-"""`auto` without an engine: when a request asks the head, and the copy
-source's tree. Expected values are worked by hand."""
+"""`auto` without an engine: when a request asks the head, the cheap
+sources' expected tokens and the datastore source's path. Expected values
+are worked by hand."""
 
 from __future__ import annotations
 
@@ -128,3 +129,29 @@ def test_feeding_is_timed_per_row_like_the_head_calls():
     assert abs(use.row_seconds - 0.0002) < 1e-12
     use.feed(1.0, 10)  # a stall counts at most twice the estimate, a tenth of the way
     assert abs(use.row_seconds - 0.0002 * 1.1) < 1e-12
+
+
+def test_the_datastore_source_drafts_the_stores_path(tiny_model):
+    """A store of two documents, ``1 2 3 4 5 6 7`` and ``1 2 3 4 5 9``; the
+    request ends ``2 3 4``. Both documents continue it with 5 (share 1);
+    after ``2 3 4 5`` come 6 and 9 once each (the tie goes to the smaller
+    id: 6, share 1/2); after ``3 4 5 6`` comes 7 (share 1); nothing
+    follows ``4 5 6 7`` or any suffix of it but a document's end. Claims
+    multiply down the path: 1, 1/2, 1/2. A budget of 2 cuts the path."""
+    from tests.helpers.contexts import proposer_ctx
+    from vllm_specplug.methods.auto import AutoConfig, AutoProposer
+    from vllm_specplug.sources.suffix_array import TokenSuffixArray
+
+    auto = AutoProposer(AutoConfig(use_head="never", suffix=False),
+                        proposer_ctx(tiny_model, 512, 64))
+    assert auto.store is None  # no datastore configured: no source
+    auto.store = TokenSuffixArray.from_documents([[1, 2, 3, 4, 5, 6, 7],
+                                                  [1, 2, 3, 4, 5, 9]], 512)
+    req = StepRequest(req_id="r", token_ids=np.array([10, 11, 2, 3, 4]), num_prompt_tokens=3,
+                      sampled=True, verified_pos=4, budget=8)
+    (name, tree), = auto._lookups(req)  # no repeat in the request: no copy
+    assert name == "datastore"
+    assert (tree.tokens, tree.parents, tree.scores) == ([5, 6, 7], [-1, 0, 1], [1.0, 0.5, 0.5])
+    (_, tree), = auto._lookups(StepRequest(**{**req.__dict__, "budget": 2}))
+    assert tree.tokens == [5, 6]
+    assert auto.stats().counters["datastore_drafts"] == 2

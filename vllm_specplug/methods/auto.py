@@ -8,6 +8,10 @@ Each step, each request's tree is drafted from several sources at once:
 * ``suffix``: the suffix trees over the request and over earlier responses
   of its tenant (SuffixDecoding, ``sources/suffix_cache.py``; ``isolation``
   decides whose), claimed by their count shares;
+* ``datastore``: the path a suffix-array datastore continues the context
+  with, where one is configured (READER's search over its long-term
+  store, ``sources/sa_datastore.py``), claimed by each token's share of
+  the counts that followed its key;
 * ``head``: the EAGLE-3 head's tree where the target has a head
   (``sources/eagle3_drafter.py``), claimed by its probabilities.
 
@@ -60,13 +64,18 @@ from vllm_specplug.sources import suffix_cache
 from vllm_specplug.sources.copy_path import CopyConfidence
 from vllm_specplug.sources.eagle3_drafter import Eagle3Drafter, Eagle3DrafterConfig
 from vllm_specplug.sources.ngram import match
+from vllm_specplug.sources.sa_datastore import SuffixArrayStoreOptions, path_tree, search_path
 from vllm_specplug.sources.source_mix import SourceMix
 from vllm_specplug.sources.suffix_cache import TenantSuffixCaches
 
 logger = logging.getLogger(__name__)
 
 
-class AutoConfig(Eagle3DrafterConfig):
+class AutoConfig(Eagle3DrafterConfig, SuffixArrayStoreOptions):
+    """The EAGLE-3 head's options (the head source), the datastore's
+    (``datastore``: the datastore source, off without one) and the other
+    sources'."""
+
     use_head: Literal["auto", "always", "never"] = "auto"
     """The EAGLE-3 head as a source: ``auto`` where the target has a head
     (``head``, or one shipped for its shape), asked per request while it
@@ -104,6 +113,12 @@ class AutoConfig(Eagle3DrafterConfig):
     min_token_prob: float = Field(default=0.1, ge=0.0, le=1.0)
     """Suffix nodes whose count share along their path is below this are
     not drafted."""
+    datastore_depth: int = Field(default=8, ge=1, le=64)
+    """Longest path the datastore source drafts (a datastore lookup per
+    token)."""
+    datastore_key: int = Field(default=6, ge=1, le=32)
+    """Longest context suffix (tokens) the datastore is searched with; a
+    key it does not hold loses its first token and is retried."""
 
 
 class AutoProposer(Proposer):
@@ -122,6 +137,7 @@ class AutoProposer(Proposer):
         elif config.suffix:
             logger.warning("specplug auto: the suffix source is off (arctic-inference "
                            "is not installed)")
+        self.store = config.open_datastore(ctx.vocab_size, ctx.tokenizer_path)
         self.copy = CopyConfidence()
         self.mix = SourceMix()
         self.head_use = _HeadUse(config.head_explore_every,
@@ -242,6 +258,12 @@ class AutoProposer(Proposer):
                                      tree=not r.chain_only, min_token_prob=cfg.min_token_prob)
             if tree is not None:
                 out.append(("suffix", tree))
+        if self.store is not None:
+            path, shares = search_path(r.token_ids, min(cfg.datastore_depth, r.budget),
+                                       cfg.datastore_key, None, self.store,
+                                       max_rows=cfg.max_lookup_rows)
+            if path:
+                out.append(("datastore", path_tree(path, shares)))
         for source, _ in out:
             self._count(f"{source}_drafts", 1)
         return out
@@ -274,6 +296,8 @@ class AutoProposer(Proposer):
         if self.suffix is not None:
             s.gauges["suffix_cached_responses"] = self.suffix.cached
             s.gauges["suffix_cached_tokens"] = self.suffix.cached_tokens
+        if self.store is not None:
+            s.gauges["datastore_tokens"] = len(self.store)
         s.counters["deadline_skips"] = self.deadline.skipped
         s.gauges["factors"] = {k: round(self.mix.factor("", k), 3) for k in self.mix.sources}
         return s

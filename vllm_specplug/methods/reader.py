@@ -28,7 +28,6 @@ accepted path after each step.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 
@@ -41,13 +40,14 @@ from vllm_specplug.engine.stats import RunningStat
 from vllm_specplug.engine.tree import DraftTree, TrieBuilder, normalize_tree
 from vllm_specplug.sources.eagle3_drafter import Eagle3Drafter, Eagle3DrafterConfig
 from vllm_specplug.sources.context_index import ContextIndex
-from vllm_specplug.sources.suffix_array import TokenSuffixArray
+from vllm_specplug.sources.sa_datastore import SuffixArrayStoreOptions, search_path
 
 
-class ReaderConfig(Eagle3DrafterConfig):
-    datastore: str | None = None
-    """Suffix-array datastore folder (``specplug datastore build-sa``) for
-    the long-term search; None searches the request's own tokens only."""
+class ReaderConfig(Eagle3DrafterConfig, SuffixArrayStoreOptions):
+    """The EAGLE-3 head's options, the datastore's (``datastore``: the
+    long-term store; None searches the request's own tokens only) and
+    READER's."""
+
     l_suffix: int = Field(default=6, ge=1, le=32)
     """Longest search key: the last ``l_suffix`` tokens of the context (the
     paper leaves it open; 6 keeps a key specific without missing most
@@ -58,13 +58,6 @@ class ReaderConfig(Eagle3DrafterConfig):
     d_deep: int = Field(default=4, ge=0, le=64)
     """Depth of the deepening path under the depth-2 node of the best draft
     path (0: none; the paper enables it at small batches only)."""
-    max_lookup_rows: int = Field(default=16384, ge=2)
-    """Most datastore rows one lookup reads. A key with more matches (a
-    short, common one) is read at this many evenly spaced rows; a
-    continuation's count is still exact when it follows the key at least
-    ``matches / (max_lookup_rows - 1)`` times, and rarer ones are left out
-    (``TokenSuffixArray.next_token_counts``). Bounds a step's search cost:
-    up to ``d_search + d_deep`` lookups per request."""
     max_context_occurrences: int = Field(default=4096, ge=1)
     """Most occurrences of a key in the request's own tokens one lookup
     counts: the most recent ones."""
@@ -75,14 +68,6 @@ class ReaderConfig(Eagle3DrafterConfig):
     context_weight: float = Field(default=1.0, gt=0.0)
     """Weight of a count from the request's own tokens against one from the
     datastore when the union is ranked (the paper: 1, plain frequency)."""
-    verify_checksums: bool = True
-    """Hash the datastore's files at start-up, in the front end and again on
-    the bytes the engine loads into memory (slow for a store of GBs);
-    ``False`` checks sizes only."""
-    datastore_sha256: str | None = None
-    """SHA-256 of the store's ``manifest.json`` the engine must find. The
-    front end fills it in after checking the store, so the engine serves the
-    store that was checked or refuses to start; set it to pin a store."""
 
     def check_against(self, num_speculative_tokens: int) -> None:
         super().check_against(num_speculative_tokens)
@@ -91,71 +76,6 @@ class ReaderConfig(Eagle3DrafterConfig):
                 "num_speculative_tokens", f"must be >= draft nodes (at least 1) + "
                 f"d_search ({self.d_search}) + d_deep ({self.d_deep}) for method 'reader'",
                 num_speculative_tokens)
-
-    def check_engine(self, vllm_config) -> None:
-        """Before the engine starts: the datastore opens and was built with
-        this model's tokenizer (files, sizes, checksums, vocabulary)."""
-        if self.datastore is not None:
-            from vllm_specplug.datastore.manifest import pin_manifest
-
-            mc = vllm_config.model_config
-            store = _open_store(self.datastore, mc.get_vocab_size(), mc.tokenizer,
-                                self.verify_checksums, self.datastore_sha256)
-            pin_manifest(vllm_config, store.manifest_sha256)
-
-
-def _open_store(path: str, vocab_size: int, tokenizer: str | None,
-                verify: bool, manifest_sha256: str | None = None) -> TokenSuffixArray:
-    from vllm_specplug.datastore.dense import DatastoreError
-    from vllm_specplug.datastore.suffix_array import open_sa_datastore
-
-    try:
-        return open_sa_datastore(os.path.expanduser(path), vocab_size=vocab_size, tokenizer=tokenizer,
-                                 verify_checksums=verify,
-                                 expect_manifest_sha256=manifest_sha256)
-    except DatastoreError as e:
-        raise option_error("datastore", str(e)) from None
-
-
-def search_path(context: Sequence[int], depth: int, l_suffix: int,
-                index: ContextIndex | None, store: TokenSuffixArray | None,
-                context_weight: float = 1.0, max_rows: int | None = None,
-                max_occurrences: int | None = None) -> tuple[list[int], list[float]]:
-    """READER's SearchPath (Alg. 2): up to ``depth`` tokens continuing
-    ``context``, and each one's share of its level's counts (a confidence).
-    ``max_rows`` / ``max_occurrences`` bound one lookup's work in the
-    store / the index (``ReaderConfig.max_lookup_rows``,
-    ``max_context_occurrences``).
-
-    ``index`` must hold keys of ``l_suffix`` tokens (``max_n >= l_suffix``)
-    and be synced to the request's history (a prefix of ``context``).
-    Ties in the union go to the token seen in the context, then the
-    smaller id."""
-    ctx = [int(t) for t in context]
-    path, shares = [], []
-    for _ in range(depth):
-        best = None
-        for n in range(min(l_suffix, len(ctx)), 0, -1):
-            key = ctx[len(ctx) - n:]
-            counts: dict[int, float] = {}
-            if index is not None:
-                for t, c in index.next_token_counts(key, max_occurrences).items():
-                    counts[t] = context_weight * c
-            if store is not None:
-                ids, cnt = store.next_token_counts(key, max_rows)
-                for t, c in zip(ids.tolist(), cnt.tolist()):
-                    counts[t] = counts.get(t, 0.0) + c
-            if counts:
-                # stable: context tokens were inserted first
-                best = max(counts.items(), key=lambda kv: kv[1])
-                total = sum(counts.values())
-                break
-        if best is None:
-            break
-        path.append(best[0])
-        shares.append(best[1] / total)
-        ctx.append(best[0])
-    return path, shares
 
 
 def _chain(tokens: list[int], shares: list[float], base: float, source: str) -> DraftTree:
@@ -212,9 +132,7 @@ class ReaderProposer(Eagle3Drafter):
 
     def __init__(self, config: ReaderConfig, ctx: ProposerContext) -> None:
         super().__init__(config, ctx)  # the EAGLE-3 head and its runtime
-        self.store = (None if config.datastore is None else
-                      _open_store(config.datastore, ctx.vocab_size, ctx.tokenizer_path,
-                                  config.verify_checksums, config.datastore_sha256))
+        self.store = config.open_datastore(ctx.vocab_size, ctx.tokenizer_path)
         self.indexes: dict[str, ContextIndex] = {}
         self._search_time = RunningStat()
         self._counts = {"search_paths": 0, "search_nodes": 0, "deep_paths": 0,
