@@ -152,6 +152,12 @@ METHOD_RUNS = (
         "The same three arms on short prompts, where the head pays, in one run. In the "
         "first pass the head was asked 223, 105 and 291 times (against 183, 98 and 236 with "
         "the feed uncounted). Math reasoning is held out: nothing was tuned on it."),
+    Run("auto_datastore_b1.json", "`auto` with a suffix-array datastore",
+        "`auto` beside `auto@store` (the same with READER's datastore as a source, the "
+        "benchmarks' store: the target's answers to QA, translation and HumanEval-even "
+        "prompts never measured) and `reader` on that store, on the suites the store "
+        "covers. The store's paths did not raise `auto`'s tau there, and its lookups cost "
+        "time: `auto`'s own sources already draft what the store would."),
     Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
         "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
         "beside `auto` whose cold gate explores every step for its first 16 verdicts instead "
