@@ -37,6 +37,7 @@ engine) arrive with the next one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -111,8 +112,11 @@ _SOURCE_SEP = "__"
 _MAX_SOURCES = 32  # label values per series: a method names a few sources
 
 
+@functools.lru_cache(maxsize=1024)
 def source_label(source: str) -> str:
-    """A source name as a metric-safe label (and counter-key) part."""
+    """A source name as a metric-safe label (and counter-key) part.
+    Cached: every step labels each source's counts again, and a method
+    names only a few sources."""
     return re.sub(r"[^a-z0-9_]", "_", str(source).lower())[:40] or "none"
 
 
