@@ -106,3 +106,34 @@ def test_a_preempted_request_comes_back_without_duplicating_its_output():
     # "40 41" twice in a's tokens, once followed by 42 43 and once at the
     # end: 1/2 (a stale second copy of a's first output would make it 2/3)
     assert tree.tokens == [42, 43] and tree.scores[0] == pytest.approx(1 / 2)
+
+
+def test_held_tokens_reach_the_trees_at_the_next_sync_or_at_the_end():
+    from vllm_specplug.sources.suffix_cache import TenantSuffixCaches
+
+    prompt, out = _ids(10, 11, 12), _ids(40, 41, 42, 43)
+    row = np.concatenate([prompt, out])  # the runner's row, reused later
+    held = TenantSuffixCaches(max_cached_requests=16)
+    held.hold("a", "t", row[:3], 3)  # a request not started: started at once
+    assert held.active == 1
+    for n in range(4, 8):
+        held.hold("a", "t", row[:n], 3)
+    row[3:] = 99  # another request takes the row: the held tokens were copied
+    held.stop("a")  # what it held goes first: the whole response is cached
+    b = _ids(20, 40, 41)
+    held.sync("b", "t", b, 3)
+    tree = held.draft("b", b, 2, max_spec_factor=2.0)
+    assert tree is not None and tree.tokens == [42, 43]
+    assert tree.scores[0] == pytest.approx(1.0)  # fed once, not twice
+    assert held.cached_tokens == 4
+
+    # held, then synced: the trees as if synced every step
+    every, later = TenantSuffixCaches(max_cached_requests=0), \
+        TenantSuffixCaches(max_cached_requests=0)
+    tokens = _ids(5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6)
+    for n in range(3, len(tokens) + 1):
+        every.sync("a", None, tokens[:n], 3)
+        (later.hold if n < len(tokens) else later.sync)("a", None, tokens[:n], 3)
+    d1, d2 = (c.draft("a", tokens, 4, max_spec_factor=2.0) for c in (every, later))
+    assert d1 is not None and (d1.tokens, d1.parents, d1.scores) == \
+        (d2.tokens, d2.parents, d2.scores)

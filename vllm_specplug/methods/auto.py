@@ -167,9 +167,12 @@ class AutoProposer(Proposer):
         return self.head.catch_up_rows(req_id, new_rows) if self.head is not None else 0
 
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
+        # a step no request drafts in (the gate closed) feeds the suffix
+        # trees later, when one does: nothing reads them meanwhile
+        drafting = any(r.sampled and r.budget > 0 for r in batch)
         for r in batch:
             if r.sampled:
-                self._learn(r)
+                self._learn(r, drafting)
         # the cheap sources first: whether the head is asked depends on them
         lookups: list[list[tuple[str, DraftTree]]] = [[] for _ in batch]
         for i in self.deadline.order(batch):
@@ -189,9 +192,10 @@ class AutoProposer(Proposer):
             self._count("trees", tree is not None)
         return out
 
-    def _learn(self, r: StepRequest) -> None:
+    def _learn(self, r: StepRequest, feed_suffix: bool = True) -> None:
         """The request's last tree judged, the head's value updated; the
-        suffix trees fed every step, drafting or not."""
+        suffix trees fed (``feed_suffix``) or the request's new tokens held
+        for them."""
         judged = self.mix.observe(r.req_id, r.token_ids)
         for source, j in judged.items():
             self._count(f"{source}_accepted", j.accepted)
@@ -202,7 +206,8 @@ class AutoProposer(Proposer):
             head = judged.get("head")
             self.head_use.observe(r.req_id, head.added if head is not None else 0, cover)
         if self.suffix is not None:
-            self.suffix.sync(r.req_id, r.tenant, r.token_ids, r.num_prompt_tokens)
+            feed = self.suffix.sync if feed_suffix else self.suffix.hold
+            feed(r.req_id, r.tenant, r.token_ids, r.num_prompt_tokens)
 
     def _head_trees(self, batch: list[StepRequest],
                     lookups: list[list[tuple[str, DraftTree]]]) -> list[DraftTree | None]:
@@ -214,6 +219,11 @@ class AutoProposer(Proposer):
             return [None] * len(batch)
         always = self.config.use_head == "always"
         counted = self.config.head_feed_steps > 0
+        if not any(r.sampled and r.budget > 0 for r in batch):
+            # the gate closed: every request holds its rows, nothing to weigh
+            self._feed_head(batch, [False] * len(batch), counted)
+            self._asked_head = {}
+            return [None] * len(batch)
         # a request that drafts nothing this step needs no cover level
         covers = [cover_of(self.mix.expected(r.req_id, found, r.budget))
                   if r.sampled and r.budget > 0 else 0 for r, found in zip(batch, lookups)]
@@ -221,29 +231,36 @@ class AutoProposer(Proposer):
         pending = [self.head.catch_up_rows(r.req_id, _rows(r)) if counted else 0 for r in batch]
         asks = [r.sampled and r.budget > 0 and (always or self.head_use.asks(r, c, p))
                 for r, c, p in zip(batch, covers, pending)]
-        # a request that does not ask holds its rows (budget 0; a prompt
-        # chunk: not drafting) and feeds them in one pass when it next asks
-        fed = [r if ask or (not r.sampled and not counted) else _holding(r)
-               for r, ask in zip(batch, asks)]
-        rows_before = self.head.runtime.stats.extended_rows
         t0 = time.perf_counter()
-        self.head.extend(fed)
+        fed = self._feed_head(batch, asks, counted)
         t1 = time.perf_counter()
-        # a step no request asks the head in (the gate closed) costs no draft call
+        # a step no request asks the head in costs no draft call
         trees = (self.head.draft(fed, [r.budget if a else 0 for r, a in zip(fed, asks)])
                  if any(asks) else [None] * len(batch))
-        t2 = time.perf_counter()
-        if counted:
-            self.head_use.feed(t1 - t0, self.head.runtime.stats.extended_rows - rows_before)
-            self.head_use.cost(t2 - t1, sum(asks))
-        else:
-            self.head_use.cost(t2 - t0, sum(asks))
+        # uncounted, feeding is part of asking's cost
+        self.head_use.cost(time.perf_counter() - (t1 if counted else t0), sum(asks))
         self._asked_head = {r.req_id: c for r, a, c in zip(batch, asks, covers) if a}
         for c in range(len(COVER_LEVELS) + 1):
             self._count(f"head_asked_cover{c}", sum(a and k == c for a, k in zip(asks, covers)))
         self._count("head_asked", sum(asks))
         self._count("head_skipped", sum(r.sampled and r.budget > 0 for r in batch) - sum(asks))
         return [None if t is None else _probabilities(t) for t in trees]
+
+    def _feed_head(self, batch: list[StepRequest], asks: list[bool],
+                   counted: bool) -> list[StepRequest]:
+        """Every request's verified rows to the head, and the requests as the
+        head saw them: one that does not ask holds its rows (budget 0; a
+        prompt chunk: not drafting) and feeds them in one pass when it next
+        asks; with feeding ``counted``, its time per row is measured."""
+        fed = [r if ask or (not r.sampled and not counted) else _holding(r)
+               for r, ask in zip(batch, asks)]
+        rows_before = self.head.runtime.stats.extended_rows
+        t0 = time.perf_counter()
+        self.head.extend(fed)
+        if counted:
+            self.head_use.feed(time.perf_counter() - t0,
+                               self.head.runtime.stats.extended_rows - rows_before)
+        return fed
 
     def _lookups(self, r: StepRequest) -> list[tuple[str, DraftTree]]:
         """The model-free sources' trees for ``r``."""

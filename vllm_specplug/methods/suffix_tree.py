@@ -90,12 +90,15 @@ class SuffixTreeProposer(Proposer):
     def propose(self, batch: list[StepRequest]) -> list[DraftTree | None]:
         cfg: SuffixTreeConfig = self.config
         out: list[DraftTree | None] = []
+        # the trees must hold every token before any request drafts from
+        # them; a step none drafts in (the gate closed) leaves it for later
+        feed = (self.cache.sync if any(r.sampled and r.budget > 0 for r in batch)
+                else self.cache.hold)
         for req in batch:
             if not req.sampled:  # a prompt chunk: the prompt is fed once it is whole
                 out.append(None)
                 continue
-            # every step, drafting or not: the trees must hold every token
-            self.cache.sync(req.req_id, req.tenant, req.token_ids, req.num_prompt_tokens)
+            feed(req.req_id, req.tenant, req.token_ids, req.num_prompt_tokens)
             out.append(self.cache.draft(
                 req.req_id, req.token_ids, req.budget, tree=cfg.tree and not req.chain_only,
                 max_spec_factor=cfg.max_spec_factor, max_spec_offset=cfg.max_spec_offset,

@@ -124,7 +124,8 @@ class DraftMixin:
                           aux_hidden_states, drafting: bool):
         """The method's input: one ``StepRequest`` per batch row, with its
         rows of hidden states, top-k and entropies; and the step's plan."""
-        token_s = self._sp_token_seconds(sampled_token_ids)
+        # read from the step-cost curve only for a step that drafts
+        token_s = self._sp_token_seconds(sampled_token_ids) if drafting else 0.0
         side_work = self._sp_budget.side_work
         silent = self._sp_silent()
         plan = self._sp_plan(scheduler_output, silent)

@@ -99,13 +99,20 @@ class SuffixCache:
             # preempted request coming back): it is fed again below
             self._cache.start_request(
                 req_id, np.ascontiguousarray(token_ids[:num_prompt_tokens], dtype=np.int32))
-            fed = num_prompt_tokens
-        if len(token_ids) > fed:
-            self._cache.add_active_response(
-                req_id, np.ascontiguousarray(token_ids[fed:], dtype=np.int32))
-            fed = len(token_ids)
-        self._fed[req_id] = fed
+            self._fed[req_id] = fed = num_prompt_tokens
+        self.append(req_id, token_ids[fed:])
         return started
+
+    def fed(self, req_id: str) -> int | None:
+        """Tokens of the request its trees hold; None: not started here."""
+        return self._fed.get(req_id)
+
+    def append(self, req_id: str, tokens: np.ndarray) -> None:
+        """Feed a started request's next ``tokens`` (after ``fed``)."""
+        if len(tokens):
+            self._cache.add_active_response(req_id, np.ascontiguousarray(tokens,
+                                                                         dtype=np.int32))
+            self._fed[req_id] += len(tokens)
 
     def stop(self, req_id: str) -> None:
         """The request left (finished, aborted, preempted): drop its own tree;
@@ -178,12 +185,49 @@ class TenantSuffixCaches:
         """Response tokens in the global trees, all tenants together."""
         self.evicted_for_tokens = 0
         """Responses evicted to stay under ``max_cached_tokens``."""
+        self._held: dict[str, tuple[str | None, np.ndarray, int]] = {}
+        """Requests whose tokens wait for their next ``sync`` (``hold``)."""
+
+    def hold(self, req_id: str, tenant: str | None, token_ids: np.ndarray,
+             num_prompt_tokens: int) -> None:
+        """``sync`` later: the tokens the trees lack wait for the request's
+        next ``sync`` or its ``stop`` (then fed first, so its whole response
+        is cached). For steps in which no request drafts (the cost-aware
+        gate closed): feeding the trees a token at a time costs tens of
+        microseconds a request, most of it per call, and nothing reads them
+        until some request drafts again. A request its tenant's trees do not
+        hold yet is synced at once (its prompt is fed once, not copied every
+        step)."""
+        cache = self._private if tenant is None else self._caches.get(tenant)
+        fed = (cache.fed(req_id) if cache is not None
+               and self._tenant_of.get(req_id, _UNSEEN) == tenant else None)
+        if fed is None:
+            self.sync(req_id, tenant, token_ids, num_prompt_tokens)
+        elif len(token_ids) > fed:
+            # a copy: ``token_ids`` is a view of the runner's row, which
+            # another request takes once this one leaves
+            self._held[req_id] = (tenant, np.array(token_ids[fed:], dtype=np.int32),
+                                  num_prompt_tokens)
+
+    def _flush(self, req_id: str) -> None:
+        """Feed what the request held (``hold``) to its tenant's trees."""
+        held = self._held.pop(req_id, None)
+        if held is None:
+            return
+        tenant, tokens, num_prompt_tokens = held
+        cache = self._private if tenant is None else self._caches.get(tenant)
+        if cache is None or self._tenant_of.get(req_id, _UNSEEN) != tenant:
+            return  # its tenant's trees were dropped meanwhile
+        cache.append(req_id, tokens)
+        if tenant is not None and (tenant, req_id) in self._responses:
+            self._count_tokens(tenant, req_id, cache.fed(req_id) - num_prompt_tokens)
 
     def sync(self, req_id: str, tenant: str | None, token_ids: np.ndarray,
              num_prompt_tokens: int) -> None:
         """``SuffixCache.sync`` in the cache of ``tenant``."""
         if self._tenant_of.get(req_id, tenant) != tenant:
             self.stop(req_id)  # never fed to two tenants' trees
+        self._held.pop(req_id, None)  # ``token_ids`` has every token it held
         cache = self._cache_of(tenant)
         self._tenant_of[req_id] = tenant
         if cache.sync(req_id, token_ids, num_prompt_tokens) and tenant is not None:
@@ -192,7 +236,9 @@ class TenantSuffixCaches:
             self._count_tokens(tenant, req_id, len(token_ids) - num_prompt_tokens)
 
     def stop(self, req_id: str) -> None:
-        """``SuffixCache.stop`` in the cache the request was fed to."""
+        """``SuffixCache.stop`` in the cache the request was fed to, after
+        what it held (``hold``)."""
+        self._flush(req_id)
         tenant = self._tenant_of.pop(req_id, _UNSEEN)
         if tenant is _UNSEEN:
             return

@@ -82,7 +82,8 @@ class Choice:
     sizes: list[int]
     expected_accepted: list[float]
     expected_rate: float
-    """Expected tokens per second of the chosen step (0 before any timing)."""
+    """Expected tokens per second of the chosen step (0 before any timing,
+    and in a step with no tree to weigh)."""
     plain_rate: float
 
 
@@ -262,6 +263,12 @@ class BudgetController:
         each request's history length (where its tree's root sits);
         ``rows``: rows the next step verifies without any draft (one per
         decoding request; 0 in a step of prompt chunks only)."""
+        if not any(t is not None and len(t) for t in trees):
+            # nothing to weigh (the gate closed): the step costs no reading
+            # of the curve
+            none = [0] * len(trees)
+            self._record(none, [0.0] * len(trees), 0)
+            return [None] * len(trees), Choice(none, [0.0] * len(trees), 0.0, 0.0)
         probs = self._node_probs(req_ids, trees, token_lens)
         order = _candidates(trees, probs)
         cal = self.calibration

@@ -74,10 +74,18 @@ class StepCost:
         self.clock = 0  # steps observed
         self._refresh()
 
+    def _curve(self) -> None:
+        """The curve as last observed: derived again on the first read after
+        an observed step (``_refresh``) -- not on the step itself, since a
+        step the gate kept from drafting reads none of it."""
+        if self._stale:
+            self._refresh()
+
     def _refresh(self) -> None:
         # The curve only changes when a step is observed, while the
         # controller reads it once per candidate node: keep the fresh knots'
         # points instead of selecting them on every read.
+        self._stale = False
         self._fresh = np.flatnonzero((self.count > 1)
                                      & (self.clock - self.last <= self.stale_after))
         # Verifying more rows never makes a step cheaper, so a knot much
@@ -127,11 +135,12 @@ class StepCost:
             self.value[k] += self.alpha * (seconds - self.value[k])
         self.count[k] += 1
         self.last[k] = self.clock
-        self._refresh()
+        self._stale = True
 
     @property
     def known(self) -> bool:
         """Some knot is on the curve (its second step was measured)."""
+        self._curve()
         return bool(self._xs.size)
 
     def measured_up_to(self, rows: int) -> bool:
@@ -140,6 +149,7 @@ class StepCost:
         optimistic extrapolation below every measured knot, which makes
         plain decoding look many times cheaper than it is. (A measured knot
         the curve leaves out as a one-off counts: it was measured.)"""
+        self._curve()
         return bool(self._fresh.size) and int(self._fresh[0]) <= self._knot(rows)
 
     def knot_of(self, rows: int) -> int:
@@ -148,6 +158,7 @@ class StepCost:
 
     def __call__(self, rows: int) -> float:
         """Estimated step time at ``rows``; 0 when nothing was measured yet."""
+        self._curve()
         xs, ys = self._xs, self._ys
         if xs.size == 0:
             return 0.0
@@ -166,5 +177,6 @@ class StepCost:
     def as_dict(self) -> dict:
         """The knots measured at least twice (ms), those left out of the
         curve included."""
+        self._curve()
         return {str(self.knots[i]): round(1e3 * float(self.value[i]), 3) for i in self._fresh}
 
