@@ -155,3 +155,37 @@ def test_the_datastore_source_drafts_the_stores_path(tiny_model):
     (_, tree), = auto._lookups(StepRequest(**{**req.__dict__, "budget": 2}))
     assert tree.tokens == [5, 6]
     assert auto.stats().counters["datastore_drafts"] == 2
+
+
+def test_steps_no_request_drafts_in_feed_the_suffix_trees_later(tiny_model):
+    """Gate-closed steps (every budget 0) hold the new tokens; the next step
+    in which a request drafts feeds them first, so its suffix draft is the
+    draft of trees fed every step."""
+    import pytest
+
+    from tests.helpers.contexts import proposer_ctx
+    from vllm_specplug.methods.auto import AutoConfig, AutoProposer
+    from vllm_specplug.sources import suffix_cache
+
+    if not suffix_cache.available():
+        pytest.skip("arctic-inference is not installed")
+    auto = AutoProposer(AutoConfig(use_head="never", prompt_lookup_max=1),
+                        proposer_ctx(tiny_model, 512, 64))
+    every = suffix_cache.TenantSuffixCaches(max_cached_requests=0)
+    tokens = np.array([5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 5, 6])
+
+    def step(n, budget):
+        return StepRequest(req_id="r", token_ids=tokens[:n], num_prompt_tokens=4,
+                           sampled=True, verified_pos=n - 1, budget=budget)
+
+    for n in range(5, len(tokens)):
+        assert auto.propose([step(n, 0)]) == [None]
+        every.sync("r", None, tokens[:n], 4)
+    assert "r" in auto.suffix._held  # fed nothing since its first step
+    every.sync("r", None, tokens, 4)
+    auto.propose([step(len(tokens), 8)])
+    assert "r" not in auto.suffix._held
+    mine = auto.suffix.draft("r", tokens, 8)
+    ref = every.draft("r", tokens, 8)
+    assert ref is not None and (mine.tokens, mine.parents, mine.scores) == \
+        (ref.tokens, ref.parents, ref.scores)
