@@ -193,10 +193,12 @@ class RespecProposer(Eagle3Drafter):
             st = self.reqs.get(r.req_id)
             if st is None:
                 st = self.reqs[r.req_id] = _Req(cfg)
-            st.index.sync(r.token_ids)
             st.record_entropy(r)
             self._feedback(st, r)
             if r.sampled and r.budget > 0:
+                # only retrieval reads the index: a request the gate keeps
+                # from drafting catches up when it next drafts, or never
+                st.index.sync(r.token_ids)
                 self.c["steps"] += 1
                 # past the step's time budget: no retrieval, the head drafts
                 if self.deadline.allows(r.req_id):
