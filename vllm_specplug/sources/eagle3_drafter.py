@@ -318,7 +318,8 @@ class Eagle3Drafter(Proposer):
                 continue
             aux = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
             items.append((r.req_id, pos, r.token_ids, aux))
-        self.runtime.extend(items)
+        if items:  # a step every request held in (the gate closed) runs no head code
+            self.runtime.extend(items)
         self._extend_time.add(time.perf_counter() - t0)
 
     def catch_up_rows(self, req_id: str, new_rows: int) -> int:
