@@ -142,8 +142,9 @@ class StepRequest:
     """What one accepted token saves this step: the target's measured
     plain-step time per decoding request at this step's batch (the
     cost-aware budget's step-cost curve); 0 when unknown (budget off, or no
-    step measured yet) and in a step the gate keeps from drafting. A drafter whose cost grows with its depth (a head's
-    passes) stops deepening where a level is worth less than it costs."""
+    step measured yet) and in a step the gate keeps from drafting. A drafter
+    whose cost grows with its depth (a head's passes) stops deepening where
+    a level is worth less than it costs."""
     drafting: bool = True
     """The cost-aware budget's gate lets this request draft this step
     (False: drafting does not pay now). A prompt chunk never drafts, but a
