@@ -179,7 +179,7 @@ class AutoProposer(Proposer):
             r = batch[i]
             if r.sampled and r.budget > 0 and self.deadline.allows(r.req_id):
                 lookups[i] = self._lookups(r)
-        heads = self._head_trees(batch, lookups)
+        heads = self._head_trees(batch, lookups, drafting)
         out: list[DraftTree | None] = [None] * len(batch)
         for i, r in enumerate(batch):
             if not r.sampled or r.budget <= 0:
@@ -209,17 +209,18 @@ class AutoProposer(Proposer):
             feed = self.suffix.sync if feed_suffix else self.suffix.hold
             feed(r.req_id, r.tenant, r.token_ids, r.num_prompt_tokens)
 
-    def _head_trees(self, batch: list[StepRequest],
-                    lookups: list[list[tuple[str, DraftTree]]]) -> list[DraftTree | None]:
+    def _head_trees(self, batch: list[StepRequest], lookups: list[list[tuple[str, DraftTree]]],
+                    drafting: bool) -> list[DraftTree | None]:
         """The head's trees (claims: probabilities) for the requests that
         ask it this step, judged against what the cheap sources already
         drafted for each (``lookups``); every request's verified rows feed
-        (or are held for) the head's state."""
+        (or are held for) the head's state. ``drafting``: some request
+        drafts this step."""
         if self.head is None:
             return [None] * len(batch)
         always = self.config.use_head == "always"
         counted = self.config.head_feed_steps > 0
-        if not any(r.sampled and r.budget > 0 for r in batch):
+        if not drafting:
             # the gate closed: every request holds its rows, nothing to weigh
             self._feed_head(batch, [False] * len(batch), counted)
             self._asked_head = {}

@@ -219,8 +219,7 @@ class TenantSuffixCaches:
         if cache is None or self._tenant_of.get(req_id, _UNSEEN) != tenant:
             return  # its tenant's trees were dropped meanwhile
         cache.append(req_id, tokens)
-        if tenant is not None and (tenant, req_id) in self._responses:
-            self._count_tokens(tenant, req_id, cache.fed(req_id) - num_prompt_tokens)
+        self._count_tokens(tenant, req_id, cache.fed(req_id) - num_prompt_tokens)
 
     def sync(self, req_id: str, tenant: str | None, token_ids: np.ndarray,
              num_prompt_tokens: int) -> None:
@@ -232,8 +231,7 @@ class TenantSuffixCaches:
         self._tenant_of[req_id] = tenant
         if cache.sync(req_id, token_ids, num_prompt_tokens) and tenant is not None:
             self._count_response(tenant, req_id)
-        if tenant is not None and (tenant, req_id) in self._responses:
-            self._count_tokens(tenant, req_id, len(token_ids) - num_prompt_tokens)
+        self._count_tokens(tenant, req_id, len(token_ids) - num_prompt_tokens)
 
     def stop(self, req_id: str) -> None:
         """``SuffixCache.stop`` in the cache the request was fed to, after
@@ -287,10 +285,14 @@ class TenantSuffixCaches:
         while len(self._responses) > self.max_cached_requests:
             self._evict_oldest()
 
-    def _count_tokens(self, tenant: str, req_id: str, tokens: int) -> None:
-        """The response's length now; the oldest responses are evicted
-        while all of them hold more than ``max_cached_tokens``."""
+    def _count_tokens(self, tenant: str | None, req_id: str, tokens: int) -> None:
+        """The response's length now, for a response the global trees keep
+        (none for tenant None, or without ``max_cached_requests``); the
+        oldest responses are evicted while all of them hold more than
+        ``max_cached_tokens``."""
         key = (tenant, req_id)
+        if tenant is None or key not in self._responses:
+            return
         self.cached_tokens += tokens - self._responses[key]
         self._responses[key] = tokens
         cap = self.max_cached_tokens
