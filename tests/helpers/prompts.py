@@ -16,9 +16,10 @@ PREAMBLE = ("You are a careful assistant. Answer step by step, keep the answer s
 prefix caching serves whole blocks and a head's prefix store is used."""
 
 
-def copy_prompts(model: str, n: int) -> list[list[int]]:
-    """Chat-formatted Spec-Bench summarization/RAG prompts under 900 tokens
-    (plenty for a model-free method to copy)."""
+def copy_prompts(model: str, n: int, max_len: int = 500) -> list[list[int]]:
+    """Chat-formatted Spec-Bench summarization/RAG prompts under ``max_len``
+    tokens (plenty for a model-free method to copy; prefill is most of what
+    a greedy check on them costs, so they are kept short)."""
     from transformers import AutoTokenizer
 
     from vllm_specplug.suites import shared_dir
@@ -28,11 +29,11 @@ def copy_prompts(model: str, n: int) -> list[list[int]]:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows = [r for r in rows if r["category"] in ("summarization", "rag")]
     out = []
-    for r in rows[: n * 3]:
+    for r in rows:
         text = tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}],
                                        add_generation_prompt=True, tokenize=False)
         ids = tok.encode(text, add_special_tokens=False)
-        if len(ids) < 900:
+        if len(ids) < max_len:
             out.append(ids)
         if len(out) == n:
             break

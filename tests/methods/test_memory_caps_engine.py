@@ -78,7 +78,7 @@ GRAFT_TOKENS = 32
 
 def test_graft_state_stays_at_its_caps(ref_model):
     # a long prompt (449 tokens) past the per-request cap, a short one under it
-    prompts = [copy_prompts(ref_model, 4)[3], spec_bench_prompts(ref_model, 1)[0]]
+    prompts = [copy_prompts(ref_model, 4, max_len=900)[3], spec_bench_prompts(ref_model, 1)[0]]
     ref = plain_greedy(ref_model, prompts, GRAFT_TOKENS)
     with engine(ref_model, GRAFT, max_model_len=1024, enable_prefix_caching=False) as llm:
         llm.collective_rpc(_watch, args=(_head_sizes,))
