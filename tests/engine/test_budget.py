@@ -451,9 +451,12 @@ def test_a_cold_gate_explores_every_step_on_probation():
     assert seen == [True] * 3
     assert ctl.gate.open and ctl.gate.verdicts == 3
     assert ctl.gate.surplus == pytest.approx(0.020 - 0.01375)
-    # past probation (here from the start) the same engine backs off: 2
-    # undrafted steps after the first verdict; the exploring step after
-    # them lowers the estimate alike (22.5 ms: closed again), then 4 more
+    # past probation (here from the start) the same engine backs off, and
+    # a cheaper step moves the estimate a fifth of the way: 40 ms, then
+    # 33, 27.4, 22.92 (closed, after 2, 4, 14 and 16 undrafted steps: from
+    # the third closing exploring takes at most 2 % of the time, and an
+    # exploring step is priced at 27.4 ms against 100 ms steps) and
+    # 19.34 ms (+0.66 ms: open)
     late = _cold_controller(0.2, DraftGate(probation=0))
     late.draft_now()
     _draft_step(late, 0.040)
@@ -464,7 +467,8 @@ def test_a_cold_gate_explores_every_step_on_probation():
         else:
             late.observe_propose(0.0, drafted=False)
             undrafted += 1
-    assert undrafted == 2 + 4 and late.gate.verdicts == 3
+    assert undrafted == 2 + 4 + 14 + 16 and late.gate.verdicts == 5
+    assert late.gate.surplus == pytest.approx(0.020 - 0.040 * 0.8 ** 4 - 0.005 * (1 - 0.8 ** 4))
 
 
 def test_probation_ends_after_its_verdicts():
@@ -493,19 +497,25 @@ def test_gate_ignores_the_catch_up_of_the_first_draft_after_a_gap():
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
     ctl.observe_propose(0.010, drafted=True)  # the next drafted step counts
     assert ctl.gate.draft_seconds == pytest.approx(0.009)
-    # ... but a step after a gap that was cheaper lowers the estimate, half
-    # the way (drafting got cheaper while the gate was closed)
+    # ... but a step after a gap that was cheaper lowers the estimate (drafting
+    # got cheaper while the gate was closed): half-way on probation, a fifth
+    # of the way after it
     ctl.observe_propose(0.001, drafted=False)
     ctl.observe_propose(0.006, drafted=True)
     assert ctl.gate.draft_seconds == pytest.approx(0.009 + 0.5 * (0.005 - 0.009))
+    ctl.gate.verdicts = ctl.gate.probation
+    ctl.observe_propose(0.001, drafted=False)
+    ctl.observe_propose(0.005, drafted=True)
+    assert ctl.gate.draft_seconds == pytest.approx(0.007 + 0.2 * (0.004 - 0.007))
 
 
-def test_drafting_cost_trusts_a_cheaper_step_at_once_a_dearer_one_slowly():
+def test_drafting_cost_on_probation_trusts_a_cheaper_step_at_once():
     """A request's first drafting steps cost what it pays once (its indexes,
     a head fed its prompt): measured first, 23 ms against the usual 10, they
     must not keep drafting priced at 23 ms while only exploring steps come
-    to correct it. Worked by hand: a cheaper step halves the gap, a dearer
-    one moves a fifth of the way, counted at most twice the estimate."""
+    to correct it. Worked by hand: on probation a cheaper step halves the
+    gap, a dearer one moves a fifth of the way, counted at most twice the
+    estimate."""
     gate = DraftGate()
     gate.observe_propose(0.023, drafted=True)
     gate.observe_propose(0.010, drafted=True)
@@ -517,6 +527,24 @@ def test_drafting_cost_trusts_a_cheaper_step_at_once_a_dearer_one_slowly():
     gate.observe_propose(0.001, drafted=False)  # not drafting: a plain average
     gate.observe_propose(0.003, drafted=False)
     assert gate.propose_seconds[False] == pytest.approx(0.001 + 0.2 * 0.002)
+
+
+def test_drafting_cost_after_probation_is_the_mean_not_the_cheap_end():
+    """Warm drafting steps alternating 5 and 15 ms (a batch whose requests
+    draft in turns): the estimate must settle about their mean, 10 ms. By
+    hand, a moving average of alpha 0.2 alternates between 9.44 ms (after a
+    cheap step) and 10.56 ms; trusting cheap steps half-way would settle at
+    6.8-8.1 ms, and the gate would charge drafting a third too little."""
+    gate = DraftGate(probation=0)
+    for _ in range(200):
+        gate.observe_propose(0.005, drafted=True)
+        assert gate.propose_seconds[True] >= 0.005
+        gate.observe_propose(0.015, drafted=True)
+    assert gate.propose_seconds[True] == pytest.approx(0.095 / 9, rel=1e-6)
+    gate.observe_propose(0.005, drafted=True)
+    assert gate.propose_seconds[True] == pytest.approx(0.085 / 9, rel=1e-6)
+    gate.observe_propose(0.500, drafted=True)  # a stall still counts at most twice
+    assert gate.propose_seconds[True] == pytest.approx(0.085 / 9 * 1.2, rel=1e-6)
 
 
 def test_exploring_step_is_judged_against_one_requests_drafting():

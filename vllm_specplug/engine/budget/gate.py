@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_specplug.engine.stats import cost_ema, ema
+from vllm_specplug.engine.stats import ema
 
 
 CHEAP_CATCH_UP = 64
@@ -171,14 +171,23 @@ class DraftGate:
             self.propose_seconds[False] = ema(self.propose_seconds[False], seconds, self.alpha)
 
     def _drafting_estimate(self, old: float | None, seconds: float) -> float:
-        """A drafting step's time into the estimate (``cost_ema``: a cheaper
-        step half-way at once, a dearer one by ``alpha``, at most
-        ``max_rise`` times the estimate). A request's first drafts build its
-        indexes and feed its prompt to a head; counted like any step, they
-        price drafting out: the gate closes, only exploring steps measure
-        again, and each corrected a fifth of the error while the skips
-        between them grew."""
-        return cost_ema(old, seconds, self.alpha, self.max_rise)
+        """A drafting step's time into the estimate: a moving average
+        (``alpha``) that counts a step at most ``max_rise`` times the
+        estimate, so one stall cannot price drafting out.
+
+        On probation a cheaper step moves it half-way at once: a request's
+        first drafts build its indexes and feed its prompt to a head, and
+        counted like any step they would keep drafting priced out while
+        only exploring steps came to correct it. After probation cheap and
+        dear steps count alike: a drafting step's time varies threefold at
+        batch 8 (how many requests draft, a head's catch-up), and an
+        estimate that kept trusting the cheap ones settled at half of what
+        drafting steps cost and kept drafting where it did not pay."""
+        if old is None:
+            return seconds
+        if seconds < old and self.verdicts < self.probation:
+            return old + 0.5 * (seconds - old)
+        return ema(old, min(seconds, self.max_rise * old), self.alpha)
 
     def observe_side(self, seconds: float) -> None:
         """Drafting-only work outside the proposer this (drafting) step."""
