@@ -169,6 +169,21 @@ METHOD_RUNS = (
         "stock vLLM's own passes spread 10-16% on RAG and summarization, many times that "
         "saving: the cells moved inside their spread, and `auto` stayed below 0.97x `plain` "
         "on RAG and HumanEval's odd half."),
+    Run("gate_mean_cost_b8.json", "The gate's drafting cost as a plain average after "
+        "probation: batch 8",
+        "`auto` as it was (label `auto`, 6dad9bd) beside `auto` whose gate, once off "
+        "probation, averages drafting steps' times alike instead of trusting a cheaper one "
+        "half-way (label `auto@hyb`, run from a worktree with `--code`), batch 8, three fresh "
+        "engines each. The old estimate settled near the cheap end of drafting steps' times "
+        "(a trace at batch 8: 6.7 ms against a median drafting step of 15.1 ms) and kept "
+        "drafting on 12% of HumanEval's passes for tau 1.12; the average drafts on 4% of them. "
+        "HumanEval's odd half: 0.87x -> 1.04x `plain` (one pass of three at 0.84x); RAG "
+        "1.10x either way."),
+    Run("gate_mean_cost_b1.json", "The gate's drafting cost as a plain average after "
+        "probation: batch 1",
+        "The same two arms at batch 1 on translation and QA, where drafting pays: both "
+        "draft on every pass; speculation speedups 2.04x -> 1.95x and 1.46x -> 1.42x, "
+        "inside each other's min-max, tau 3.03 -> 2.99 and 2.29 -> 2.28."),
     Run("gate_probation_before_after.json", "A cold gate on probation: before against after",
         "`auto` as it was (label `auto@old`, 0b3f11a, run from a worktree with `--code`) "
         "beside `auto` whose cold gate explores every step for its first 16 verdicts instead "
