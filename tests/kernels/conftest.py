@@ -57,6 +57,16 @@ for _name in sorted(m for m in sys.modules
 
 
 
+@pytest.fixture(autouse=True)
+def interpret_on_cpu(monkeypatch):
+    """The kernels' dispatchers launch the interpreter kernels on CPU
+    tensors during these tests only: engines in the other test directories
+    run the torch path CPU users run."""
+    from vllm_specplug.kernels import INTERPRET_ON_CPU
+
+    monkeypatch.setenv(INTERPRET_ON_CPU, "1")
+
+
 @pytest.fixture
 def reversed_programs(monkeypatch):
     """Make the interpreter run a launch's programs in reverse grid order.

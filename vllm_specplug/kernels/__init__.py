@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["interpret_mode", "kernel_is_interpreted", "use_triton"]
+__all__ = ["INTERPRET_ON_CPU", "interpret_mode", "kernel_is_interpreted", "use_triton"]
 
 
 def interpret_mode() -> bool:
@@ -46,12 +46,26 @@ def kernel_is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+INTERPRET_ON_CPU = "SPECPLUG_INTERPRET_ON_CPU"
+"""Environment variable: ``1`` lets interpreter kernels take CPU tensors.
+
+Set by the kernel check kit and the kernel tests. Without it an engine on
+CPU takes the torch path even where the kernels were decorated for the
+interpreter: ``TRITON_INTERPRET=1`` in the environment (or a test module
+that set it) would otherwise run every tree step's KV move, attention and
+table updates in Triton's interpreter, many times slower than the path CPU
+users run."""
+
+
 def use_triton(kernel, *tensors: torch.Tensor) -> bool:
     """True if ``kernel`` can be launched on ``tensors``.
 
-    Interpreted kernels run anywhere; compiled ones need every tensor on a GPU
-    (vLLM's CPU build has no Triton backend, so CPU tensors take the torch path).
+    Compiled kernels need every tensor on a GPU (vLLM's CPU build has no
+    Triton backend, so CPU tensors take the torch path). Interpreter kernels
+    run on CPU tensors, but only where ``INTERPRET_ON_CPU`` asks for them.
     """
     if kernel_is_interpreted(kernel):
-        return True
+        import os
+
+        return os.environ.get(INTERPRET_ON_CPU) == "1"
     return all(t.is_cuda for t in tensors)

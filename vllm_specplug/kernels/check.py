@@ -506,6 +506,10 @@ def run(quick: bool, eagle3: bool, jobs: int = 1) -> dict:
     report = {"environment": environment(), "quick": quick}
     why = triton_status()
     if why is None:
+        if interpreted():  # the kernels' dispatchers take the interpreter on CPU
+            from vllm_specplug.kernels import INTERPRET_ON_CPU
+
+            os.environ[INTERPRET_ON_CPU] = "1"
         device = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
         report.update(run_kernels(QUICK_GRID if quick else FULL_GRID, device, quick, jobs))
         if interpreted():
