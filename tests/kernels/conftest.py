@@ -16,8 +16,9 @@ Setting the variable here covers the normal case.  If triton or our modules
 were imported earlier, they are reloaded below so they get re-decorated for
 the interpreter.  The clean fix for a full-suite run is to set
 ``TRITON_INTERPRET=1`` before anything imports triton: in the environment or
-at the top of ``tests/conftest.py`` (CPU-only vLLM doesn't use triton, so
-nothing else is affected).
+at the top of ``tests/conftest.py`` (CPU-only vLLM doesn't use triton, and
+the plugin's dispatchers launch interpreter kernels on CPU tensors only
+where ``SPECPLUG_INTERPRET_ON_CPU`` is set: below, for these tests alone).
 """
 
 import importlib

@@ -20,6 +20,8 @@ not freeze that choice as a side effect.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = ["INTERPRET_ON_CPU", "interpret_mode", "kernel_is_interpreted", "use_triton"]
@@ -32,16 +34,15 @@ def interpret_mode() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def kernel_is_interpreted(kernel) -> bool:
     """Whether an already-decorated ``@triton.jit`` kernel is an interpreter one.
 
-    This, not the current environment, is what decides if a launch can take CPU
-    tensors: the env var may have changed after the module was imported.
+    This, not ``TRITON_INTERPRET`` now, is what decides whether a launch can
+    take CPU tensors (the variable may have changed since the module was
+    imported); ``INTERPRET_ON_CPU`` decides whether it does.
     """
     return type(kernel).__name__ == "InterpretedFunction"
 
@@ -65,7 +66,5 @@ def use_triton(kernel, *tensors: torch.Tensor) -> bool:
     run on CPU tensors, but only where ``INTERPRET_ON_CPU`` asks for them.
     """
     if kernel_is_interpreted(kernel):
-        import os
-
         return os.environ.get(INTERPRET_ON_CPU) == "1"
     return all(t.is_cuda for t in tensors)
