@@ -109,11 +109,14 @@ def cost_ema(old: float | None, x: float, alpha: float, max_rise: float) -> floa
     ever add time, so a cheaper ``x`` moves ``old`` half-way at once and a
     dearer one by ``alpha``, counted at most ``max_rise`` times ``old``: one
     slow measurement cannot price a cost out for long."""
-    if old is None:
-        return x
-    if x < old:
+    if old is not None and x < old:
         return old + 0.5 * (x - old)
-    return ema(old, min(x, max_rise * old), alpha)
+    return capped_ema(old, x, alpha, max_rise)
+
+
+def capped_ema(old: float | None, x: float, alpha: float, max_rise: float) -> float:
+    """``ema`` with ``x`` counted at most ``max_rise`` times ``old``."""
+    return x if old is None else ema(old, min(x, max_rise * old), alpha)
 
 
 class RunningStat:

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from vllm_specplug.kernels import INTERPRET_ON_CPU
 from vllm_specplug.kernels.cache_layout import gpu_split_cache
 
 # max |kernel - reference| <= atol + rtol * |reference|, per dtype: the
@@ -507,8 +508,6 @@ def run(quick: bool, eagle3: bool, jobs: int = 1) -> dict:
     why = triton_status()
     if why is None:
         if interpreted():  # the kernels' dispatchers take the interpreter on CPU
-            from vllm_specplug.kernels import INTERPRET_ON_CPU
-
             os.environ[INTERPRET_ON_CPU] = "1"
         device = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
         report.update(run_kernels(QUICK_GRID if quick else FULL_GRID, device, quick, jobs))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_specplug.engine.stats import ema
+from vllm_specplug.engine.stats import capped_ema, cost_ema, ema
 
 
 CHEAP_CATCH_UP = 64
@@ -183,11 +183,8 @@ class DraftGate:
         batch 8 (how many requests draft, a head's catch-up), and an
         estimate that kept trusting the cheap ones settled at half of what
         drafting steps cost and kept drafting where it did not pay."""
-        if old is None:
-            return seconds
-        if seconds < old and self.verdicts < self.probation:
-            return old + 0.5 * (seconds - old)
-        return ema(old, min(seconds, self.max_rise * old), self.alpha)
+        rule = cost_ema if self.verdicts < self.probation else capped_ema
+        return rule(old, seconds, self.alpha, self.max_rise)
 
     def observe_side(self, seconds: float) -> None:
         """Drafting-only work outside the proposer this (drafting) step."""
